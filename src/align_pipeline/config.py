@@ -1,0 +1,319 @@
+"""Typed configuration shared by the Kedro nodes and the torchrun entry points.
+
+Every config is a dataclass with a docstring per field (Megatron-core's style). :func:`from_dict` builds one from a
+plain dict (Kedro parameters or a JSON file), rejects unknown keys and wrong types, and names the offending key, so a
+bad ``parameters_*.yml`` fails before any process is launched. Nothing here imports Kedro, Megatron or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type."""
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the GPT (Llama-style: RoPE, RMSNorm, SwiGLU, optional GQA)."""
+
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None = multi-head (same as num_attention_heads)."""
+    ffn_hidden_size: int | None = None
+    """MLP inner width; None = 4 * hidden_size (SwiGLU: per gate)."""
+    seq_length: int = 64
+    """Maximum tokens per sample; longer samples are rejected by data_prep."""
+    vocab_size: int | None = None
+    """Vocabulary size; None = take it from the tokenizer."""
+    make_vocab_size_divisible_by: int = 128
+    """Embedding rows are padded to a multiple of this (times the TP size) for even sharding."""
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    """Rotary (Llama) or learned absolute positions."""
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Norm layer."""
+    norm_epsilon: float = 1e-5
+    """Norm epsilon."""
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    """MLP activation; swiglu = gated SiLU."""
+    add_bias_linear: bool = False
+    """Biases in linear layers (Llama: no)."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection only (Qwen2: yes)."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie the input embedding and the output layer."""
+    init_method_std: float = 0.02
+    """Std of the normal weight init for random initialisation."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP."""
+    attention_backend: Literal["auto", "te", "sdpa", "local"] = "auto"
+    """auto = Transformer Engine when importable, else SDPA core attention; local = Megatron's unfused attention."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and data are split across ranks. world size = TP * PP * DP."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor parallel size (shards attention heads and MLP)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline parallel size (splits layers into stages)."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout along the sequence across TP ranks (needs TP > 1)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation to save memory."""
+    recompute_num_layers: int = 1
+    """Layers per recompute chunk for full recomputation."""
+    bf16: bool = False
+    """Train in bf16 with fp32 main weights (GPU)."""
+
+
+@dataclass
+class LaunchConfig:
+    """How a node starts its torchrun job."""
+
+    nproc_per_node: int = 1
+    """Processes (GPUs, or CPU workers) per node."""
+    nnodes: int = 1
+    """Nodes in the job."""
+    node_rank: int = 0
+    """This node's rank (multi-node runs)."""
+    master_addr: str = "127.0.0.1"
+    """Rendezvous host."""
+    master_port: int = 0
+    """Rendezvous port; 0 = pick a free one."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend; auto = nccl with CUDA, else gloo."""
+    threads_per_process: int | None = None
+    """OMP/torch threads per rank on CPU; None = cores / nproc_per_node."""
+    log_tail_lines: int = 40
+    """Lines of a failing rank's log to include in the error."""
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with warmup + cosine decay, through Megatron's optimizer."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+
+
+@dataclass
+class TrainingConfig:
+    """The optimisation loop shared by the training stages."""
+
+    seed: int = 1234
+    """Seed for init, data order and dropout (same on every rank; Megatron derives per-TP-rank streams)."""
+    train_steps: int = 300
+    """Optimizer steps."""
+    global_batch_size: int = 32
+    """Samples per optimizer step, over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward; global = micro x grad-accumulation x DP."""
+    log_interval: int = 10
+    """Steps between progress lines / metric logs."""
+    eval_interval: int = 50
+    """Steps between validation passes (and one at the end); 0 = only at the end."""
+    eval_samples: int | None = None
+    """Validation samples per pass; None = the whole validation set."""
+    save_interval: int = 100
+    """Steps between resumable training checkpoints (and one at the end); 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """Training checkpoints kept in the run directory (oldest deleted)."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in the run directory when one exists."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW + schedule."""
+
+    def validate(self) -> None:
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"training.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"training.micro_batch_size ({self.micro_batch_size})"
+            )
+        if self.train_steps < 1:
+            raise ConfigError("training.train_steps must be >= 1")
+
+
+@dataclass
+class SFTJobConfig:
+    """Everything ``python -m align_pipeline.train.sft`` needs (written by the node or by hand as JSON)."""
+
+    run_dir: str
+    """Working directory: config, logs, training checkpoints, result.json; the final model goes to run_dir/model."""
+    train_data: str
+    """Tokenized SFT .npz (input_ids, labels, loss_mask)."""
+    val_data: str
+    """Tokenized validation .npz."""
+    tokenizer: str
+    """Tokenizer directory (ours or an HF model's)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    init_from: str | None = None
+    """Model checkpoint dir (meta.json) or HF model dir to start from; None = random init."""
+    lineage: dict[str, Any] = field(default_factory=dict)
+    """Recorded into the output checkpoint's meta.json (data fingerprints, parent checkpoint, config hash, ...)."""
+    stop_after_steps: int | None = None
+    """Exit cleanly after this many steps of *this* invocation (simulates an interruption; used by resume tests)."""
+
+
+@dataclass
+class StageParams:
+    """A training stage's section of ``parameters_<stage>.yml`` (the node adds model/parallel/launch and paths)."""
+
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """The optimisation loop."""
+    init_from: str | None = None
+    """Override the stage's starting model (checkpoint or HF dir); None = the stage's default input."""
+    runs_dir: str = "data/06_models/_runs"
+    """Where run directories live; a run dir is keyed by the job's inputs+config, so a rerun after an interruption
+    resumes from its latest checkpoint."""
+    keep_run_dir: bool = False
+    """Keep the run directory (training checkpoints, logs) after the model has been stored as a catalog version."""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{where}: {value!r} is not {_type_name(tp)}")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not one of {list(get_args(tp))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
+        return from_dict(tp, value, where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        (item_tp, *_) = get_args(tp) or (Any,)
+        return [_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        key_tp, val_tp = get_args(tp) or (Any, Any)
+        return {k: _convert(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any] | None, where: str | None = None) -> T:
+    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise :class:`ConfigError`."""
+    where = where or cls.__name__
+    data = dict(data or {})
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _convert(data[name], hints[name], f"{where}.{name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{where}.{name}: required key is missing")
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        validate()
+    return obj
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """Plain-dict view of a config dataclass (JSON-serialisable)."""
+    return dataclasses.asdict(obj)
+
+
+def config_hash(obj: Any) -> str:
+    """Stable short hash of a config (dataclass or dict), used in lineage and run-directory names."""
+    data = to_dict(obj) if dataclasses.is_dataclass(obj) else obj
+    blob = json.dumps(data, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+__all__ = [
+    "ConfigError",
+    "LaunchConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "SFTJobConfig",
+    "StageParams",
+    "TrainingConfig",
+    "config_hash",
+    "field",
+    "from_dict",
+    "to_dict",
+]

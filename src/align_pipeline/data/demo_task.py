@@ -1,0 +1,215 @@
+"""The embedded demo task: short, verifiable string/arithmetic problems a ~0.5M-parameter GPT learns on a CPU.
+
+Two kinds of prompt, one answer each, checked by a function (the verifiable reward of REINFORCE/PPO/evaluation):
+
+    reverse: abcd\\n   ->  dcba        (3-6 lowercase letters, reversed)
+    add: 23+45\\n      ->  68          (two 2-digit numbers, 10..99, summed)
+
+With the character-level tokenizer a sample is at most 24 tokens (``<bos>`` + 16 prompt chars + 6 answer chars +
+``<eos>``), well under ``model.seq_length`` = 48.
+
+:func:`make_demo_datasets` builds the shipped ``data/01_raw`` files (``scripts/make_demo_data.py`` writes them):
+SFT data in which ~30 % of the responses are *plausibly* wrong (a dropped carry, an off-by-one digit, a swapped
+letter pair, the letters left unreversed), preference pairs (correct vs plausibly wrong) and held-out prompts whose
+strings appear in neither the SFT nor the preference file. Nothing here imports Kedro or torch.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+from typing import Any
+
+REVERSE_PREFIX = "reverse: "
+ADD_PREFIX = "add: "
+MIN_LETTERS, MAX_LETTERS = 3, 6
+MIN_OPERAND, MAX_OPERAND = 10, 99
+
+_REVERSE_RE = re.compile(r"^reverse: ([a-z]+)\s*$")
+_ADD_RE = re.compile(r"^add: (\d+)\+(\d+)\s*$")
+# Text a decoder may leave at the end of a generation: special tokens of our tokenizer and of common HF ones.
+_EOS_MARKERS = ("<eos>", "<pad>", "</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompts, answers, checking
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def reverse_prompt(letters: str) -> str:
+    return f"{REVERSE_PREFIX}{letters}\n"
+
+
+def add_prompt(a: int, b: int) -> str:
+    return f"{ADD_PREFIX}{a}+{b}\n"
+
+
+def task_kind(prompt: str) -> str:
+    """``"reverse"`` or ``"add"``; raises ``ValueError`` for a prompt that is not a demo-task prompt."""
+    if _REVERSE_RE.match(prompt):
+        return "reverse"
+    if _ADD_RE.match(prompt):
+        return "add"
+    raise ValueError(f"not a demo-task prompt: {prompt!r}")
+
+
+def answer_for(prompt: str) -> str:
+    """The correct response to a demo-task prompt."""
+    m = _REVERSE_RE.match(prompt)
+    if m:
+        return m.group(1)[::-1]
+    m = _ADD_RE.match(prompt)
+    if m:
+        return str(int(m.group(1)) + int(m.group(2)))
+    raise ValueError(f"not a demo-task prompt: {prompt!r}")
+
+
+def normalize_response(response: str) -> str:
+    """Cut a generated response at the first end-of-sequence marker and strip surrounding whitespace."""
+    cut = len(response)
+    for marker in _EOS_MARKERS:
+        i = response.find(marker)
+        if i != -1:
+            cut = min(cut, i)
+    return response[:cut].strip()
+
+
+def check(prompt: str, response: str, answer: str | None = None) -> bool:
+    """True when ``response`` (as generated: trailing whitespace / EOS text allowed) is the correct answer.
+
+    ``answer`` (e.g. from ``prompts.jsonl``) is used when given; otherwise it is computed from the prompt.
+    """
+    expected = answer if answer is not None else answer_for(prompt)
+    return normalize_response(response) == expected.strip()
+
+
+def reward(prompt: str, response: str, answer: str | None = None) -> float:
+    """The verifiable reward: 1.0 when :func:`check` passes, else 0.0."""
+    return 1.0 if check(prompt, response, answer) else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plausible wrong answers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _wrong_add(a: int, b: int, rng: random.Random) -> str:
+    total = a + b
+    candidates = []
+    if (a % 10) + (b % 10) >= 10:
+        candidates += [total - 10] * 2  # forgot the carry (the classic mistake; weighted up)
+    candidates += [total + 1, total - 1]  # off by one in the last digit
+    candidates += [total + 10, total - 10]  # off by one in the tens digit
+    candidates = [c for c in candidates if c != total and c >= 0]
+    return str(rng.choice(candidates))
+
+
+def _wrong_reverse(letters: str, rng: random.Random) -> str:
+    right = letters[::-1]
+    candidates = []
+    for i in range(len(right) - 1):  # one adjacent pair swapped
+        swapped = right[:i] + right[i + 1] + right[i] + right[i + 2 :]
+        if swapped != right:
+            candidates += [swapped] * 2
+    if letters != right:
+        candidates.append(letters)  # not reversed at all
+    candidates.append(right[:-1])  # last letter dropped
+    return rng.choice(candidates)
+
+
+def wrong_answer_for(prompt: str, rng: random.Random) -> str:
+    """A plausible but wrong response to ``prompt`` (never equal to the right one)."""
+    kind = task_kind(prompt)
+    if kind == "add":
+        m = _ADD_RE.match(prompt)
+        assert m is not None
+        wrong = _wrong_add(int(m.group(1)), int(m.group(2)), rng)
+    else:
+        m = _REVERSE_RE.match(prompt)
+        assert m is not None
+        wrong = _wrong_reverse(m.group(1), rng)
+    assert wrong != answer_for(prompt)
+    return wrong
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dataset generation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _random_prompt(rng: random.Random, add_fraction: float) -> str:
+    if rng.random() < add_fraction:
+        return add_prompt(rng.randint(MIN_OPERAND, MAX_OPERAND), rng.randint(MIN_OPERAND, MAX_OPERAND))
+    n = rng.randint(MIN_LETTERS, MAX_LETTERS)
+    return reverse_prompt("".join(rng.choice(string.ascii_lowercase) for _ in range(n)))
+
+
+def _unique_prompts(rng: random.Random, n: int, exclude: set[str], add_fraction: float) -> list[str]:
+    """``n`` distinct prompts not in ``exclude``; once the addition space is exhausted, repeats are allowed."""
+    out: list[str] = []
+    seen = set(exclude)
+    tries = 0
+    while len(out) < n:
+        p = _random_prompt(rng, add_fraction)
+        tries += 1
+        if p in seen and tries < 50 * n:
+            continue
+        seen.add(p)
+        out.append(p)
+    return out
+
+
+def make_demo_datasets(
+    n_sft: int = 4000,
+    n_preference: int = 2000,
+    n_prompts: int = 800,
+    wrong_fraction: float = 0.3,
+    reward_fraction: float = 0.5,
+    add_fraction: float = 0.5,
+    seed: int = 0,
+) -> dict[str, list[dict[str, Any]]]:
+    """The three raw demo files as lists of records: ``{"sft": [...], "preference": [...], "prompts": [...]}``.
+
+    Deterministic for a given seed. Held-out prompts are drawn first, so their strings never occur in the SFT or
+    preference data; the SFT and preference prompts are also distinct from each other.
+    """
+    rng = random.Random(seed)
+    held_out = _unique_prompts(rng, n_prompts, set(), add_fraction)
+    sft_prompts = _unique_prompts(rng, n_sft, set(held_out), add_fraction)
+    pref_prompts = _unique_prompts(rng, n_preference, set(held_out) | set(sft_prompts), add_fraction)
+
+    sft = []
+    for p in sft_prompts:
+        out = wrong_answer_for(p, rng) if rng.random() < wrong_fraction else answer_for(p)
+        sft.append({"input": p, "output": out})
+
+    preference = []
+    for p in pref_prompts:
+        rec: dict[str, Any] = {
+            "prompt": p,
+            "chosen_response": answer_for(p),
+            "rejected_response": wrong_answer_for(p, rng),
+        }
+        if rng.random() < reward_fraction:
+            rec["chosen_reward"] = 1.0
+            rec["rejected_reward"] = 0.0
+        preference.append(rec)
+
+    prompts = [{"prompt": p, "answer": answer_for(p)} for p in held_out]
+    return {"sft": sft, "preference": preference, "prompts": prompts}
+
+
+__all__ = [
+    "ADD_PREFIX",
+    "REVERSE_PREFIX",
+    "add_prompt",
+    "answer_for",
+    "check",
+    "make_demo_datasets",
+    "normalize_response",
+    "reverse_prompt",
+    "reward",
+    "task_kind",
+    "wrong_answer_for",
+]

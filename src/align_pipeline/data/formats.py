@@ -1,0 +1,247 @@
+"""On-disk formats of the tokenized artifacts, atomic writes, content fingerprints.
+
+Artifacts written by ``data_prep`` and read by the trainers:
+
+* ``<name>.npz`` – arrays (see :mod:`align_pipeline.data.tokenize` for the keys and conventions);
+* ``<name>.jsonl`` – one JSON record per line (prompts);
+* ``<file>.meta.json`` – the sidecar: ``fingerprint`` (short sha256 of the *content*, not of the file bytes – npz
+  zip headers carry timestamps), ``num_samples``, ``seq_length``, ``tokenizer_fingerprint``, ``source`` and
+  ``source_sha256`` (the raw jsonl it came from), plus ``format`` / ``format_version``.
+
+Every file is written to a temp file in the same directory and moved into place with ``os.replace``; the data file
+goes first and the sidecar last, so an artifact whose sidecar exists is complete (:func:`load_artifact` re-checks
+the fingerprint on request). Nothing here imports Kedro or torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+FORMAT_VERSION = 1
+FINGERPRINT_CHARS = 16
+SIDECAR_SUFFIX = ".meta.json"
+
+PathLike = str | os.PathLike
+
+
+@dataclass
+class Artifact:
+    """What the Kedro datasets hand to training nodes: a path and what identifies its content."""
+
+    path: str
+    """Absolute path of the file or directory."""
+    fingerprint: str
+    """Short sha256 of the content."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """The sidecar metadata (num_samples, seq_length, tokenizer fingerprint, source, ...)."""
+
+
+@dataclass
+class ArrayBundle:
+    """In-memory arrays of one npz artifact plus its metadata (what ``data_prep`` nodes return)."""
+
+    arrays: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RecordBundle:
+    """In-memory records of one jsonl artifact plus its metadata."""
+
+    records: list[dict[str, Any]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hashing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def short_hash(full_hex: str) -> str:
+    return full_hex[:FINGERPRINT_CHARS]
+
+
+def bytes_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path: PathLike) -> str:
+    """Full hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def arrays_fingerprint(arrays: dict[str, np.ndarray]) -> str:
+    """Short sha256 over names, dtypes, shapes and bytes of the arrays (key order does not matter)."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return short_hash(h.hexdigest())
+
+
+def _jsonl_bytes(records: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records).encode()
+
+
+def records_fingerprint(records: list[dict[str, Any]]) -> str:
+    """Short sha256 of the canonical jsonl serialisation of ``records``."""
+    return short_hash(bytes_sha256(_jsonl_bytes(records)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Atomic writes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def atomic_open(path: PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temp file next to ``path``; on success it replaces ``path`` (``os.replace``), on error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once at import: os.umask is process-wide
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def atomic_write_json(path: PathLike, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def sidecar_path(path: PathLike) -> Path:
+    """``<file>.meta.json``."""
+    return Path(f"{os.fspath(path)}{SIDECAR_SUFFIX}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# npz / jsonl artifacts
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def save_npz(path: PathLike, arrays: dict[str, np.ndarray], meta: dict[str, Any] | None = None) -> Artifact:
+    """Write ``arrays`` to ``path`` (uncompressed npz) and its sidecar, both atomically; return the artifact."""
+    fingerprint = arrays_fingerprint(arrays)
+    buf = io.BytesIO()
+    np.savez(buf, **{k: np.ascontiguousarray(v) for k, v in arrays.items()})
+    full_meta = {
+        **(meta or {}),
+        "format": "npz",
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "arrays": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in sorted(arrays.items())},
+    }
+    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_json(sidecar_path(path), full_meta)
+    return Artifact(path=os.path.abspath(path), fingerprint=fingerprint, meta=full_meta)
+
+
+def save_jsonl(path: PathLike, records: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> Artifact:
+    """Write ``records`` as jsonl (keys sorted) and its sidecar, both atomically; return the artifact."""
+    blob = _jsonl_bytes(records)
+    fingerprint = short_hash(bytes_sha256(blob))
+    full_meta = {**(meta or {}), "format": "jsonl", "format_version": FORMAT_VERSION, "fingerprint": fingerprint}
+    atomic_write_bytes(path, blob)
+    atomic_write_json(sidecar_path(path), full_meta)
+    return Artifact(path=os.path.abspath(path), fingerprint=fingerprint, meta=full_meta)
+
+
+def load_npz(path: PathLike) -> dict[str, np.ndarray]:
+    """All arrays of an npz file, fully read into memory."""
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def load_jsonl(path: PathLike) -> list[dict[str, Any]]:
+    """Records of a jsonl file (blank lines skipped). For raw, unvalidated data use :mod:`.schemas` instead."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_meta(path: PathLike) -> dict[str, Any]:
+    """The sidecar of an artifact file; ``FileNotFoundError`` with a clear message when it is missing."""
+    side = sidecar_path(path)
+    if not side.exists():
+        raise FileNotFoundError(f"{side} not found: {path} is missing or was not completely written")
+    return json.loads(side.read_text())
+
+
+def content_fingerprint(path: PathLike) -> str:
+    """Recompute the fingerprint of an npz or jsonl artifact from its content."""
+    if os.fspath(path).endswith(".npz"):
+        return arrays_fingerprint(load_npz(path))
+    return short_hash(file_sha256(path))
+
+
+def load_artifact(path: PathLike, verify: bool = False) -> Artifact:
+    """The :class:`Artifact` of an npz/jsonl file from its sidecar; ``verify`` re-hashes the content."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found")
+    meta = read_meta(path)
+    if verify:
+        actual = content_fingerprint(path)
+        if actual != meta["fingerprint"]:
+            raise ValueError(
+                f"{path}: content fingerprint {actual} does not match its sidecar ({meta['fingerprint']}); "
+                "the artifact was modified or partially written – rerun data_prep"
+            )
+    return Artifact(path=os.path.abspath(path), fingerprint=meta["fingerprint"], meta=meta)
+
+
+__all__ = [
+    "Artifact",
+    "ArrayBundle",
+    "RecordBundle",
+    "arrays_fingerprint",
+    "atomic_open",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "content_fingerprint",
+    "file_sha256",
+    "load_artifact",
+    "load_jsonl",
+    "load_npz",
+    "read_meta",
+    "records_fingerprint",
+    "save_jsonl",
+    "save_npz",
+    "short_hash",
+    "sidecar_path",
+]

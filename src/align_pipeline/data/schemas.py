@@ -1,0 +1,271 @@
+"""Schemas of the raw jsonl files (NeMo-Aligner compatible) and their validation.
+
+One JSON object per line (blank lines are skipped; line numbers are the file's physical lines):
+
+* SFT, plain: ``{"input": str, "output": str}`` – loss on ``output``.
+* SFT, chat:  ``{"system"?: str, "conversations": [{"from": "User"|"Assistant", "value": str}, ...]}`` – loss on
+  Assistant turns. NeMo-Aligner's optional chat keys are accepted and ignored: top-level ``"mask"`` (must be
+  ``"User"``), ``"type"``, and per-turn ``"label"``.
+* Preference: ``{"prompt": str, "chosen_response": str, "rejected_response": str,
+  "chosen_reward"?: float, "rejected_reward"?: float}``.
+* Prompts: ``{"prompt": str, "answer"?: str}`` – ``answer`` enables a verifiable reward.
+
+Any other key is rejected. Every problem raises :class:`DataValidationError` naming the file, the line and the
+field, e.g. ``data/01_raw/sft.jsonl line 17: field "output": expected a string, got int``. Sequence-length checks
+need the tokenizer and live in :mod:`align_pipeline.data.tokenize` (same error class, same message shape).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .formats import bytes_sha256
+
+Kind = Literal["sft", "preference", "prompts"]
+KINDS: tuple[str, ...] = ("sft", "preference", "prompts")
+
+
+class DataValidationError(ValueError):
+    """A raw data file does not match its schema; the message names the file, line and field."""
+
+
+@dataclass
+class RawData:
+    """The validated records of one raw jsonl file."""
+
+    kind: str
+    """``sft``, ``preference`` or ``prompts``."""
+    source: str
+    """The file as shown in messages (relative to the working directory when inside it)."""
+    sha256: str
+    """Full sha256 of the file's bytes."""
+    records: list[dict[str, Any]] = field(default_factory=list)
+    """One dict per non-blank line, in file order."""
+    lines: list[int] = field(default_factory=list)
+    """1-based line number of each record."""
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def error(self, index: int, fieldname: str | None, problem: str) -> DataValidationError:
+        """A :class:`DataValidationError` for record ``index`` (position in :attr:`records`)."""
+        return make_error(self.source, self.lines[index], fieldname, problem)
+
+
+def display_path(path: str | os.PathLike) -> str:
+    """``path`` relative to the working directory when it lies inside it (as a user typed it), else absolute."""
+    path = os.path.abspath(path)
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def make_error(source: str, line: int | None, fieldname: str | None, problem: str) -> DataValidationError:
+    where = source if line is None else f"{source} line {line}"
+    what = f'field "{fieldname}": ' if fieldname else ""
+    return DataValidationError(f"{where}: {what}{problem}")
+
+
+class _FieldError(Exception):
+    def __init__(self, fieldname: str | None, problem: str):
+        super().__init__(problem)
+        self.fieldname = fieldname
+        self.problem = problem
+
+
+_JSON_TYPE_NAMES = {
+    str: "string",
+    int: "int",
+    float: "float",
+    bool: "bool",
+    list: "list",
+    dict: "object",
+    type(None): "null",
+}
+
+
+def _type_name(value: Any) -> str:
+    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _expect_str(obj: dict, key: str, where: str | None = None, required: bool = True) -> None:
+    name = where or key
+    if key not in obj:
+        if required:
+            raise _FieldError(name, "missing (required)")
+        return
+    if not isinstance(obj[key], str):
+        raise _FieldError(name, f"expected a string, got {_type_name(obj[key])}")
+
+
+def _expect_number(obj: dict, key: str) -> None:
+    if key in obj:
+        v = obj[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _FieldError(key, f"expected a number, got {_type_name(v)}")
+
+
+def _reject_extra(obj: dict, allowed: set[str], prefix: str = "") -> None:
+    extra = [k for k in obj if k not in allowed]
+    if extra:
+        raise _FieldError(
+            f"{prefix}{extra[0]}", f"unknown field (allowed: {', '.join(sorted(allowed))})"
+        )
+
+
+SFT_PLAIN_FIELDS = {"input", "output"}
+SFT_CHAT_FIELDS = {"system", "conversations", "mask", "type"}
+TURN_FIELDS = {"from", "value", "label"}
+PREFERENCE_FIELDS = {"prompt", "chosen_response", "rejected_response", "chosen_reward", "rejected_reward"}
+PROMPT_FIELDS = {"prompt", "answer"}
+ROLES = ("User", "Assistant")
+
+
+def _check_sft(obj: dict) -> None:
+    if "conversations" in obj:
+        _reject_extra(obj, SFT_CHAT_FIELDS)
+        _expect_str(obj, "system", required=False)
+        if "mask" in obj and obj["mask"] != "User":
+            raise _FieldError("mask", f'only "User" is supported (loss on Assistant turns), got {obj["mask"]!r}')
+        convs = obj["conversations"]
+        if not isinstance(convs, list):
+            raise _FieldError("conversations", f"expected a list of turns, got {_type_name(convs)}")
+        if not convs:
+            raise _FieldError("conversations", "empty list (need at least one Assistant turn)")
+        for i, turn in enumerate(convs):
+            where = f"conversations[{i}]"
+            if not isinstance(turn, dict):
+                raise _FieldError(where, f'expected an object {{"from", "value"}}, got {_type_name(turn)}')
+            _reject_extra(turn, TURN_FIELDS, prefix=f"{where}.")
+            _expect_str(turn, "from", f"{where}.from")
+            if turn["from"] not in ROLES:
+                raise _FieldError(f"{where}.from", f'expected "User" or "Assistant", got {turn["from"]!r}')
+            _expect_str(turn, "value", f"{where}.value")
+        if not any(t["from"] == "Assistant" for t in convs):
+            raise _FieldError("conversations", "no Assistant turn (nothing to train on)")
+        return
+    if "input" not in obj and "output" not in obj:
+        raise _FieldError(
+            "input", 'missing (required): expected {"input", "output"} or chat {"conversations": [...]}'
+        )
+    _reject_extra(obj, SFT_PLAIN_FIELDS)
+    _expect_str(obj, "input")
+    _expect_str(obj, "output")
+
+
+def _check_preference(obj: dict) -> None:
+    _reject_extra(obj, PREFERENCE_FIELDS)
+    for key in ("prompt", "chosen_response", "rejected_response"):
+        _expect_str(obj, key)
+    _expect_number(obj, "chosen_reward")
+    _expect_number(obj, "rejected_reward")
+
+
+def _check_prompts(obj: dict) -> None:
+    _reject_extra(obj, PROMPT_FIELDS)
+    _expect_str(obj, "prompt")
+    if "answer" in obj and obj["answer"] is not None:
+        _expect_str(obj, "answer")
+
+
+_CHECKS = {"sft": _check_sft, "preference": _check_preference, "prompts": _check_prompts}
+
+
+def validate_record(obj: Any, kind: str) -> None:
+    """Raise ``_FieldError`` (internal) when ``obj`` is not a valid record of ``kind``."""
+    if not isinstance(obj, dict):
+        raise _FieldError(None, f"expected a JSON object, got {_type_name(obj)}")
+    _CHECKS[kind](obj)
+
+
+def parse_jsonl_bytes(blob: bytes, kind: str, source: str) -> RawData:
+    """Validate the bytes of a raw jsonl file of ``kind``; ``source`` is the name used in error messages."""
+    if kind not in _CHECKS:
+        raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
+    data = RawData(kind=kind, source=source, sha256=bytes_sha256(blob))
+    for lineno, raw in enumerate(blob.split(b"\n"), start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise make_error(source, lineno, None, f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise make_error(source, lineno, None, f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+        try:
+            validate_record(obj, kind)
+        except _FieldError as exc:
+            raise make_error(source, lineno, exc.fieldname, exc.problem) from None
+        data.records.append(obj)
+        data.lines.append(lineno)
+    if not data.records:
+        raise make_error(source, None, None, f"file is empty: expected one {kind} JSON object per line")
+    return data
+
+
+def read_raw_jsonl(path: str | os.PathLike, kind: str, source: str | None = None) -> RawData:
+    """Read and validate a raw jsonl file; every problem raises :class:`DataValidationError`."""
+    source = source or display_path(path)
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except FileNotFoundError:
+        raise make_error(source, None, None, "file not found") from None
+    return parse_jsonl_bytes(blob, kind, source)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Record views used by tokenization
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def sft_segments(record: dict[str, Any]) -> list[tuple[str, bool]]:
+    """The text of an SFT record as ``(text, is_response)`` segments, in order.
+
+    Plain ``{"input", "output"}`` is one User turn and one Assistant turn. Chat: the optional system text followed
+    by a newline, then the turns' values verbatim (no role markup is added: put any template in the text). Each
+    Assistant segment is followed by ``<eos>`` when tokenized.
+    """
+    if "conversations" in record:
+        segs: list[tuple[str, bool]] = []
+        if record.get("system"):
+            segs.append((record["system"] + "\n", False))
+        segs += [(t["value"], t["from"] == "Assistant") for t in record["conversations"]]
+        return segs
+    return [(record["input"], False), (record["output"], True)]
+
+
+def sft_prompt_text(record: dict[str, Any]) -> str:
+    """The non-response text leading up to the first response (used as the split key)."""
+    out = []
+    for text, is_response in sft_segments(record):
+        if is_response:
+            break
+        out.append(text)
+    return "".join(out)
+
+
+def record_texts(record: dict[str, Any]) -> list[str]:
+    """Every string a tokenizer should be trained on in a record."""
+    if "conversations" in record:
+        return [record.get("system", "")] + [t["value"] for t in record["conversations"]]
+    return [v for k, v in record.items() if isinstance(v, str) and k not in ("mask", "type")]
+
+
+__all__ = [
+    "DataValidationError",
+    "KINDS",
+    "RawData",
+    "display_path",
+    "make_error",
+    "parse_jsonl_bytes",
+    "read_raw_jsonl",
+    "record_texts",
+    "sft_prompt_text",
+    "sft_segments",
+    "validate_record",
+]

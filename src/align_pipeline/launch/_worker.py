@@ -1,0 +1,92 @@
+"""Per-rank shim that torchrun starts in front of an entry point; not meant to be run by hand.
+
+    python -m torch.distributed.run ... -m align_pipeline.launch._worker <log_dir> <module> --config <json>
+
+behaves like ``python -m <module> --config <json>`` with two additions:
+
+- the rank's stdout and stderr (file descriptors 1 and 2, so C/NCCL output too) go, interleaved, to
+  ``<log_dir>/rank<RANK>.log``;
+- if the entry point raises (or exits non-zero), ``<log_dir>/rank<RANK>.exit.json`` records the rank, exit code,
+  exception and a precise time, so the launcher can tell the rank that failed first from the ranks that then failed
+  because a peer went away. The exception is also recorded through torchelastic's ``record`` (torchrun's own summary),
+  and its traceback is printed without this shim's frames, so a log's tail shows the entry point's own frames.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+from types import TracebackType
+
+
+def _redirect_output(path: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
+
+
+def _write_exit(log_dir: str, rank: int, exitcode: int, error: str) -> None:
+    path = os.path.join(log_dir, f"rank{rank}.exit.json")
+    record = {"rank": rank, "exitcode": exitcode, "time": time.time(), "error": error[-2000:]}
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def _without_shim_frames(tb: TracebackType | None, shim_files: set[str]) -> TracebackType | None:
+    while tb is not None and tb.tb_frame.f_code.co_filename in shim_files:
+        tb = tb.tb_next
+    return tb
+
+
+def main(argv: list[str] | None = None) -> None:
+    log_dir, module, *args = sys.argv[1:] if argv is None else argv
+    rank = int(os.environ.get("RANK", "0"))
+    _redirect_output(os.path.join(log_dir, f"rank{rank}.log"))
+    sys.argv = [module, *args]
+
+    def run_entry_point() -> None:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+    shim_files = {__file__, runpy.__file__, "<frozen runpy>", run_entry_point.__code__.co_filename}
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        run = record(run_entry_point)
+        shim_files.add(run.__code__.co_filename)
+    except ImportError:
+        run = run_entry_point
+    try:
+        run()
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            code = exc.code if isinstance(exc.code, int) else 1
+            _write_exit(log_dir, rank, code, f"SystemExit: {exc.code}")
+        raise
+    except Exception as exc:  # noqa: BLE001 — any error of the entry point: record it, print it, exit 1
+        _write_exit(log_dir, rank, 1, f"{type(exc).__name__}: {exc}")
+        exc = exc.with_traceback(_without_shim_frames(exc.__traceback__, shim_files))  # excepthooks print this one
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        sys.stderr.flush()
+        sys.exit(1)  # what an uncaught exception exits with
+    except BaseException as exc:  # KeyboardInterrupt & co: keep Python's own exit behaviour
+        _write_exit(log_dir, rank, 1, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+if __name__ == "__main__":
+    main()

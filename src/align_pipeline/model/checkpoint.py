@@ -1,0 +1,239 @@
+"""Checkpoints: Megatron ``dist_checkpointing`` shards + ``meta.json``, written atomically.
+
+Two kinds, same layout (a directory with ``meta.json`` and the shards):
+
+* **model checkpoint** (the artifact a stage hands to the next): model weights only. Loadable at any TP/PP size.
+* **training checkpoint** (``<run_dir>/checkpoints/iter_0000100``): weights + optimizer + LR scheduler + step/data
+  position + per-rank RNG states, for bit-exact resume.
+
+A checkpoint is written into ``.tmp-<name>`` beside its final place and renamed only after every rank has finished
+and ``meta.json`` is written, so a directory named ``iter_*`` (or a model artifact) is always complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+from megatron.core import dist_checkpointing, tensor_parallel
+
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+_ITER_RE = re.compile(r"^iter_(\d{7})$")
+# "fully_reshardable": the distributed optimizer's default sharding type fails to load on CPU ("ShardedTensor.
+# flattened_range is not supported"), and this one also reshards across DP sizes.
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """``meta.json`` of a checkpoint directory (raises a clear error when it is not a complete checkpoint)."""
+    meta_path = Path(path) / META_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META_FILE})")
+    return json.loads(meta_path.read_text())
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+def iteration_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"iter_{step:07d}"
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The complete training checkpoint with the highest step under ``run_dir/checkpoints``, or None."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _ITER_RE.match(p.name)) and is_checkpoint(p)]
+    return max(found)[1] if found else None
+
+
+def _unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+def _atomic_dir_write(final: Path, write_fn, meta: dict[str, Any]) -> Path:
+    """Run ``write_fn(tmp_dir)`` on all ranks, then rank 0 writes meta.json and renames tmp -> final."""
+    final = Path(final)
+    tmp = final.parent / f".tmp-{final.name}"
+    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    write_fn(tmp)
+    _barrier()
+    if rank == 0:
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    _barrier()
+    return final
+
+
+def _barrier() -> None:
+    if tdist.is_initialized():
+        tdist.barrier()
+
+
+def save_model(path: str | os.PathLike, model, meta: dict[str, Any]) -> Path:
+    """Save model weights (sharded, any parallel layout) with ``meta`` as ``meta.json``."""
+    meta = {"format": FORMAT_VERSION, "kind": "model", **meta}
+
+    def write(tmp: Path) -> None:
+        dist_checkpointing.save(_unwrap(model).sharded_state_dict(), str(tmp))
+
+    return _atomic_dir_write(Path(path), write, meta)
+
+
+def load_model(path: str | os.PathLike, model) -> dict[str, Any]:
+    """Load weights saved by :func:`save_model` or :func:`save_training` into ``model`` (resharding TP/PP as needed).
+
+    Returns the checkpoint's meta.
+    """
+    meta = read_meta(path)
+    inner = _unwrap(model)
+    sharded = inner.sharded_state_dict()
+    if meta.get("kind") == "training":
+        state = dist_checkpointing.load({"model": sharded}, str(path))["model"]
+    else:
+        state = dist_checkpointing.load(sharded, str(path))
+    inner.load_state_dict(state, strict=True)
+    return meta
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_training(
+    run_dir: str | os.PathLike,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    train_state: dict[str, Any],
+    meta: dict[str, Any],
+) -> Path:
+    """Save a resumable training checkpoint ``run_dir/checkpoints/iter_<step>``."""
+    inner = _unwrap(model)
+    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    meta = {"format": FORMAT_VERSION, "kind": "training", "step": step, "world_size": world, **meta}
+
+    def write(tmp: Path) -> None:
+        model_sd = inner.sharded_state_dict()
+        state = {
+            "model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=_OPTIM_METADATA),
+            "scheduler": scheduler.state_dict(),
+            "train_state": train_state,
+        }
+        dist_checkpointing.save(state, str(tmp))
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+
+    return _atomic_dir_write(iteration_dir(run_dir, step), write, meta)
+
+
+def load_training(path: str | os.PathLike, model, optimizer, scheduler) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and this rank's RNG from a training checkpoint; returns ``train_state``."""
+    path = Path(path)
+    meta = read_meta(path)
+    inner = _unwrap(model)
+    _init_empty_optimizer_states(optimizer)
+    model_sd = inner.sharded_state_dict()
+    sharded = {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_METADATA),
+    }
+    state = dist_checkpointing.load(sharded, str(path))
+    inner.load_state_dict(state["model"], strict=True)
+    with _tolerate_missing_adam_step(optimizer):
+        optimizer.load_state_dict(state["optimizer"])
+    _unshare_adam_steps(optimizer)
+    scheduler.load_state_dict(state["scheduler"])
+    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    rng_file = path / "rng" / f"rank_{rank:05d}.pt"
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    if meta.get("world_size") == world and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return state["train_state"]
+
+
+@contextlib.contextmanager
+def _tolerate_missing_adam_step(optimizer):
+    """Distributed optimizer + torch AdamW: restoring main params copies every state key, but the reshardable state
+    carries no per-parameter ``step`` (it is restored separately), giving ``KeyError: 'step'``. Keys the checkpoint does
+    not provide keep their current value."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "_set_main_param_and_optimizer_states") and hasattr(opt, "_get_main_param_and_optimizer_states"):
+            original_set = opt._set_main_param_and_optimizer_states
+            get = opt._get_main_param_and_optimizer_states
+
+            def set_states(model_param, tensors, _set=original_set, _get=get):
+                _set(model_param, {**_get(model_param), **tensors})
+
+            opt._set_main_param_and_optimizer_states = set_states
+            patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class method
+
+
+def _init_empty_optimizer_states(optimizer) -> None:
+    """A fresh distributed optimizer has no AdamW state yet, but builds its loading state dict from that state."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None and not inner.state and hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Give every parameter its own AdamW ``step`` tensor after a restore.
+
+    Megatron restores one common ``step`` and may assign the *same* tensor object to every parameter's state (seen with
+    the distributed optimizer and torch AdamW); AdamW increments ``step`` in place once per parameter, so a shared
+    tensor advances N times per optimizer step and bias correction is silently wrong after resume.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for pstate in inner.state.values():
+            step = pstate.get("step")
+            if isinstance(step, torch.Tensor):
+                pstate["step"] = step.detach().clone()

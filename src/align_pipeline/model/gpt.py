@@ -1,0 +1,157 @@
+"""Build a Llama-style GPT with Megatron-core from :class:`~align_pipeline.config.ModelConfig`.
+
+Layer spec: Transformer Engine's when importable (fused kernels, GPU), else Megatron's local spec with the core
+attention swapped for :class:`~align_pipeline.model.attention.SDPAttention`. ``attention_backend`` in the config can
+force either (``local`` keeps Megatron's unfused attention, used as the reference in tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from align_pipeline.config import ModelConfig, ParallelConfig
+from align_pipeline.model.attention import SDPAttention
+from align_pipeline.model.norm import TorchNorm
+
+
+def have_transformer_engine() -> bool:
+    """Transformer Engine's torch bindings are importable (GPU containers only)."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # a broken TE install must not stop a run: fall back to SDPA
+        return False
+    return True
+
+
+def resolve_attention_backend(model: ModelConfig) -> str:
+    """The backend actually used: ``te``, ``sdpa`` or ``local``."""
+    if model.attention_backend == "auto":
+        return "te" if have_transformer_engine() else "sdpa"
+    if model.attention_backend == "te" and not have_transformer_engine():
+        raise RuntimeError("attention_backend=te but Transformer Engine is not importable (install the `gpu` extra)")
+    return model.attention_backend
+
+
+def padded_vocab_size(vocab_size: int, model: ModelConfig, tp_size: int) -> int:
+    """Embedding rows: the tokenizer's vocab rounded up to a multiple of ``lcm(make_vocab_size_divisible_by, TP)``.
+
+    The padding does not depend on TP beyond divisibility, so a model has the same logits at every TP size (a checkpoint
+    saved at TP=2 loads at TP=1).
+    """
+    multiple = math.lcm(model.make_vocab_size_divisible_by, tp_size)
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` for our model and parallel settings.
+
+    ``calculate_per_token_loss`` is on: loss functions return (sum, token count) and Megatron divides gradients by the
+    token count summed over micro-batches and data-parallel ranks, so DP=N equals DP=1 on the same global batch.
+    """
+    on_gpu = torch.cuda.is_available()
+    recompute = parallel.recompute_granularity
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups or model.num_attention_heads,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=model.activation == "swiglu",
+        activation_func=F.silu if model.activation == "swiglu" else F.gelu,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        init_method_std=model.init_method_std,
+        attention_dropout=model.attention_dropout,
+        hidden_dropout=model.hidden_dropout,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1,
+        bf16=parallel.bf16,
+        params_dtype=torch.bfloat16 if parallel.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if parallel.bf16 else torch.float32,
+        # CPU runs build weights on the host; with it, TP shards are slices of one master init (TP-invariant init).
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        calculate_per_token_loss=True,
+        # Fusions that need CUDA kernels (or Apex/TE) are off; SDPA provides the fused attention.
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        recompute_granularity=None if recompute == "none" else recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=parallel.recompute_num_layers if recompute == "full" else None,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def block_spec(model: ModelConfig, config: TransformerConfig, pp_rank: int) -> ModuleSpec | TransformerBlockSubmodules:
+    """Decoder spec for the resolved attention backend.
+
+    TE: Megatron's TE layer spec. Otherwise the local spec with :class:`SDPAttention` (unless ``local``) and
+    :class:`TorchNorm` for every norm (also the final one), so sequence parallelism works without Apex/TE.
+    """
+    backend = resolve_attention_backend(model)
+    if backend == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    layer = get_gpt_layer_local_spec(normalization=model.normalization)
+    attn = layer.submodules.self_attention
+    if backend == "sdpa":
+        attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=SDPAttention))
+    layer = dataclasses.replace(
+        layer,
+        submodules=dataclasses.replace(
+            layer.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm, self_attention=attn
+        ),
+    )
+    n_local = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n_local, layer_norm=TorchNorm)
+
+
+def build_gpt(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    vocab_size: int,
+    pg_collection: ProcessGroupCollection,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+) -> GPTModel:
+    """One pipeline stage of the GPT (``pre_process``/``post_process`` = first/last stage), on the current device."""
+    config = transformer_config(model, parallel)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(model, config, pg_collection.pp.rank()),
+        vocab_size=padded_vocab_size(vocab_size, model, parallel.tensor_model_parallel_size),
+        max_sequence_length=model.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
+        position_embedding_type=model.position_embedding_type,
+        rotary_base=int(model.rotary_base),
+        pg_collection=pg_collection,
+    )
+    if torch.cuda.is_available():
+        gpt = gpt.cuda(torch.cuda.current_device())
+    return gpt

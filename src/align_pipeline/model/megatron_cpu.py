@@ -1,0 +1,236 @@
+"""Run megatron-core on a machine without CUDA (CPU tensors, gloo process groups).
+
+megatron-core is written for GPUs. On its CPU path (``use_cpu_initialization=True``, gloo) a handful of *kinds* of
+CUDA-only call remain; this module redirects each kind to its CPU equivalent. It is the only place in the project
+that does so. :func:`activate` is a no-op when CUDA is available, so GPU runs execute megatron-core unmodified.
+
+Kinds of call redirected (call sites seen on megatron-core 0.16.1 / 0.19.2, see ``shared/notes/megatron-cpu.md``):
+
+1. CUDA RNG: ``torch.cuda.manual_seed`` / ``get_rng_state`` / ``set_rng_state`` and megatron's own
+   ``tensor_parallel.random._{get,set}_cuda_rng_state``. Without CUDA, ``torch.cuda.manual_seed`` is a *silent* no-op,
+   so every tensor-parallel rank would draw from one stream. They are mapped onto the CPU default generator, which is
+   the generator CPU tensors actually draw from, so ``CudaRNGStatesTracker.fork()`` really switches streams.
+2. Device/stream bookkeeping: ``torch.cuda.current_device`` (-> ``"cpu"``), ``current_stream``, ``default_stream``,
+   ``Stream``, ``stream``, ``Event``, ``synchronize``, ``empty_cache`` (-> inert CPU stand-ins).
+3. Literal ``device="cuda"`` tensor factories (pipeline schedules, optimizer, clip_grads, grad scaler,
+   dist_checkpointing): ``torch.{zeros,ones,empty,full,tensor,arange}`` get ``device="cpu"`` (and no
+   ``pin_memory``) when asked for a CUDA device; ``Tensor.cuda()`` returns the tensor itself.
+4. Type-name checks: ``Tensor.type()`` (no argument) reports ``torch.cuda.<T>Tensor`` for CPU tensors, so the
+   optimizer's dtype dispatch and ``clip_grad_by_total_norm_fp32``'s assert accept CPU parameters.
+
+Not redirected: ``import triton``. megatron-core 0.19 imports it unconditionally (via the pipeline schedules), but the
+pinned 0.16.x guards it with ``try/except``; a placeholder module would mislead torch's own ``has_triton()`` checks.
+
+Set ``ALIGN_MEGATRON_CPU_TRACE=1`` to count the call sites that hit a redirection (see :func:`call_sites`).
+
+Traps this module does not hide (handled where they occur): the torch_dist checkpoint saver needs an
+``if __name__ == "__main__":`` guard in the entry point, and the distributed optimizer's restored AdamW state shares one
+``step`` tensor across parameters (``model.checkpoint`` un-shares it).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import time
+import traceback
+
+import torch
+
+_ACTIVE = False
+_TRACE = os.environ.get("ALIGN_MEGATRON_CPU_TRACE") == "1"
+_CALL_SITES: collections.Counter[str] = collections.Counter()
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.int16: "torch.cuda.ShortTensor",
+    torch.int8: "torch.cuda.CharTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def is_active() -> bool:
+    """True when the redirections are installed (CUDA absent and :func:`activate` called)."""
+    return _ACTIVE
+
+
+def call_sites() -> dict[str, int]:
+    """Counts of ``"<kind> from <file>:<line>"`` seen since activation (only with ALIGN_MEGATRON_CPU_TRACE=1)."""
+    return dict(_CALL_SITES)
+
+
+def _record(kind: str) -> None:
+    if not _TRACE:
+        return
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "megatron" in frame.filename:
+            where = frame.filename.split("site-packages/")[-1]
+            _CALL_SITES[f"{kind} from {where}:{frame.lineno}"] += 1
+            return
+    _CALL_SITES[f"{kind} from <non-megatron>"] += 1
+
+
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True  # a bare index means a CUDA ordinal
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+def _cpu_factory(fn, name: str):
+    def factory(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            _record(f"torch.{name}(device='cuda')")
+            kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    factory.__wrapped__ = fn
+    factory.__name__ = name
+    return factory
+
+
+class _CpuStream:
+    """Inert stand-in for ``torch.cuda.Stream``: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuEvent:
+    """Stand-in for ``torch.cuda.Event`` that measures wall time."""
+
+    def __init__(self, *args, **kwargs):
+        self._t = None
+
+    def record(self, stream=None) -> None:
+        self._t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_CpuEvent") -> float:
+        return (end._t - self._t) * 1000.0
+
+
+class _RngWarningFilter(logging.Filter):
+    # With the CUDA RNG mapped onto the CPU generator, fork() sees "the CPU state" change whenever a random op runs
+    # inside it; that is the intended effect here, not a bug.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def activate() -> bool:
+    """Install the CPU redirections if CUDA is absent. Idempotent. Returns whether they are active.
+
+    Call before building any megatron-core object (import order does not matter: megatron looks these up at call time).
+    """
+    global _ACTIVE
+    if _ACTIVE:
+        return True
+    if torch.cuda.is_available():
+        return False
+
+    # 1. RNG -> CPU default generator.
+    def cuda_manual_seed(seed: int) -> None:
+        _record("torch.cuda.manual_seed")
+        torch.default_generator.manual_seed(int(seed))
+
+    def cuda_get_rng_state(device="cuda") -> torch.Tensor:
+        _record("torch.cuda.get_rng_state")
+        return torch.get_rng_state()
+
+    def cuda_set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
+        _record("torch.cuda.set_rng_state")
+        torch.set_rng_state(new_state)
+
+    torch.cuda.manual_seed = cuda_manual_seed
+    torch.cuda.manual_seed_all = cuda_manual_seed
+    torch.cuda.get_rng_state = cuda_get_rng_state
+    torch.cuda.set_rng_state = cuda_set_rng_state
+    torch.cuda.random.get_rng_state = cuda_get_rng_state
+    torch.cuda.random.set_rng_state = cuda_set_rng_state
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    def get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+        _record("megatron _get_cuda_rng_state")
+        return torch.get_rng_state()
+
+    def set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+        _record("megatron _set_cuda_rng_state")
+        torch.set_rng_state(new_state)
+
+    mcore_random._get_cuda_rng_state = get_cuda_rng_state
+    mcore_random._set_cuda_rng_state = set_cuda_rng_state
+    logging.getLogger(mcore_random.__name__).addFilter(_RngWarningFilter())
+
+    # 2. Devices, streams, events.
+    def current_device() -> str:
+        _record("torch.cuda.current_device")
+        return "cpu"
+
+    torch.cuda.current_device = current_device
+    torch.cuda.current_stream = lambda device=None: _CpuStream()
+    torch.cuda.default_stream = lambda device=None: _CpuStream()
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.Event = _CpuEvent
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.empty_cache = lambda: None
+
+    # 3. Literal device="cuda" factories and Tensor.cuda().
+    for name in ("zeros", "ones", "empty", "full", "tensor", "arange"):
+        setattr(torch, name, _cpu_factory(getattr(torch, name), name))
+
+    def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        _record("Tensor.cuda()")
+        return self
+
+    torch.Tensor.cuda = tensor_cuda
+
+    # 4. Type-name checks.
+    original_type = torch.Tensor.type
+
+    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            _record("Tensor.type() cuda-name")
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original_type(self, dtype, non_blocking, **kwargs) if dtype is not None else original_type(self)
+
+    torch.Tensor.type = tensor_type
+
+    _ACTIVE = True
+    return True

@@ -1,0 +1,41 @@
+"""Wiring of ``data_prep``. Intermediates (``data_prep_raw``, ``data_prep_tokenizer``) have no catalog entry, so
+they stay in memory; every persisted output comes from the last node, after all validation has passed."""
+
+from kedro.pipeline import Node, Pipeline
+
+from .nodes import fit_tokenizer, tokenize_and_split, validate_raw_data
+
+
+def create_pipeline(**kwargs) -> Pipeline:
+    return Pipeline(
+        [
+            Node(
+                validate_raw_data,
+                inputs=["raw_sft", "raw_preference", "raw_prompts", "params:data_prep"],
+                outputs="data_prep_raw",
+                name="validate_raw_data",
+            ),
+            Node(
+                fit_tokenizer,
+                inputs=["data_prep_raw", "params:data_prep"],
+                outputs="data_prep_tokenizer",
+                name="fit_tokenizer",
+            ),
+            Node(
+                tokenize_and_split,
+                inputs=["data_prep_raw", "data_prep_tokenizer", "params:data_prep", "params:model"],
+                outputs=[
+                    "tokenizer",
+                    "sft_train",
+                    "sft_val",
+                    "pref_train",
+                    "pref_val",
+                    "prompts_train",
+                    "prompts_val",
+                    "data_prep_metrics",
+                ],
+                name="tokenize_and_split",
+            ),
+        ],
+        tags=["data_prep"],
+    )

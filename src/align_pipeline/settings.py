@@ -1,0 +1,30 @@
+"""Kedro project settings."""
+
+import os
+
+from kedro.config import OmegaConfigLoader
+
+# Kedro's telemetry plugin (pulled in by kedro-viz) tries the network at start-up.
+os.environ.setdefault("KEDRO_DISABLE_TELEMETRY", "true")
+
+from align_pipeline.hooks import MlflowHook  # noqa: E402
+from align_pipeline.validation import ParamsValidationHook  # noqa: E402
+
+# pluggy calls the most recently registered implementation first: parameters are validated before the MLflow parent
+# run is opened, so a bad config neither launches anything nor leaves a run behind.
+HOOKS = (MlflowHook(), ParamsValidationHook())
+# Our MlflowHook does the tracking (parent run per `kedro run`, child run per node); kedro-mlflow, if a user has it
+# installed, would open a conflicting run of its own.
+DISABLE_HOOKS_FOR_PLUGINS = ("kedro-mlflow",)
+
+CONFIG_LOADER_CLASS = OmegaConfigLoader
+CONFIG_LOADER_ARGS = {
+    "base_env": "base",
+    "default_run_env": "local",
+    # conf/local (or -e <env>) overrides single keys of a parameters file instead of replacing the whole file.
+    "merge_strategy": {"parameters": "soft", "catalog": "soft"},
+    "config_patterns": {
+        "catalog": ["catalog*", "catalog*/**", "**/catalog*"],
+        "parameters": ["parameters*", "parameters*/**", "**/parameters*"],
+    },
+}

@@ -1,0 +1,26 @@
+"""Rank-0 MLflow logging, system/GPU metrics and lineage tags for torchrun entry points (no Kedro imports)."""
+
+from align_pipeline.tracking.lineage import git_commit, git_dirty, git_tags, lineage_tags
+from align_pipeline.tracking.mlflow_logger import (
+    RunLogger,
+    child_run_env,
+    default_tracking_uri,
+    flatten,
+    numeric_items,
+    resolve_tracking_uri,
+)
+from align_pipeline.tracking.system_metrics import SystemMetrics
+
+__all__ = [
+    "RunLogger",
+    "SystemMetrics",
+    "child_run_env",
+    "default_tracking_uri",
+    "flatten",
+    "git_commit",
+    "git_dirty",
+    "git_tags",
+    "lineage_tags",
+    "numeric_items",
+    "resolve_tracking_uri",
+]

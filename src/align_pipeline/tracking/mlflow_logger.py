@@ -1,0 +1,280 @@
+"""Rank-0 MLflow logging for torchrun entry points, and the small helpers the Kedro hook shares with it.
+
+The Kedro hook owns the runs (one parent per ``kedro run``, one child per node). A torchrun job never creates a run:
+it *attaches* to the node's child run, whose id arrives in ``MLFLOW_RUN_ID`` (and the store in
+``MLFLOW_TRACKING_URI``), both set by the launcher from :func:`child_run_env`. Every rank builds a :class:`RunLogger`;
+only rank 0 with ``MLFLOW_RUN_ID`` set logs, the others get a no-op. A tracking failure is a warning, never a
+training failure. Running an entry point by hand without ``MLFLOW_RUN_ID`` simply logs nothing.
+
+    log = RunLogger(rank)                       # every rank
+    log.log_params(to_dict(cfg))                # nested keys flattened with "."
+    log.log_metrics({"loss": 1.23, "lr": 1e-3}, step=20)
+    log.log_system_metrics(step=20)             # CPU/RSS, and GPU util/memory/power when NVML finds a GPU
+    log.close()
+
+Nothing here imports Kedro; MLflow is imported only by an active logger (rank 0 with a run id).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MAX_PARAM_VALUE = 6000
+"""MLflow's limit on a param value's length."""
+MAX_TAG_VALUE = 8000
+"""MLflow's limit on a tag value's length."""
+MAX_KEY = 250
+"""MLflow's limit on a param/metric/tag key's length."""
+_PARAMS_PER_BATCH = 100
+_METRICS_PER_BATCH = 1000
+_TAGS_PER_BATCH = 100
+_BAD_KEY_CHARS = re.compile(r"[^\w\-. /:]")
+
+
+def default_tracking_uri(project_path: str | Path) -> str:
+    """``sqlite:////<abs project path>/mlflow.db`` — absolute, so processes with another cwd share the store."""
+    return "sqlite:///" + Path(project_path).resolve().joinpath("mlflow.db").as_posix()
+
+
+def resolve_tracking_uri(project_path: str | Path) -> str:
+    """``MLFLOW_TRACKING_URI`` from the environment if set, else :func:`default_tracking_uri`."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(project_path)
+
+
+def child_run_env() -> dict[str, str]:
+    """``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID`` of the active MLflow run (in this thread); ``{}`` when none.
+
+    The launcher puts these into the torchrun job's environment so its rank 0 logs into the Kedro node's run.
+    """
+    mlflow = sys.modules.get("mlflow")  # not imported → no run can be active; don't pay for the import
+    if mlflow is None:
+        return {}
+    run = mlflow.active_run()
+    if run is None:
+        return {}
+    return {"MLFLOW_TRACKING_URI": mlflow.get_tracking_uri(), "MLFLOW_RUN_ID": run.info.run_id}
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses / pydantic models → dicts; everything else unchanged."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        try:
+            return dump()
+        except Exception:  # noqa: BLE001 — not a pydantic model after all: keep the value
+            return value
+    return value
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (dataclasses and pydantic models are expanded too)."""
+    out: dict[str, Any] = {}
+    for key, value in _plain(data).items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        value = _plain(value)
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, name, sep))
+        else:
+            out[name] = value
+    return out
+
+
+def clean_key(key: str) -> str:
+    """A key MLflow accepts: unsupported characters → ``_``, at most 250 characters."""
+    return _BAD_KEY_CHARS.sub("_", str(key))[:MAX_KEY]
+
+
+def param_value(value: Any) -> str:
+    """A param value as MLflow stores it: a string of at most 6000 characters (lists/dicts as JSON)."""
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, (list, tuple, dict)):
+        text = json.dumps(value, default=str)
+    else:
+        text = str(value)
+    return text if len(text) <= MAX_PARAM_VALUE else text[: MAX_PARAM_VALUE - 3] + "..."
+
+
+def as_number(value: Any) -> float | None:
+    """A float for ints, floats, bools, numpy/torch scalars; None for anything else."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            out = item()
+        except (ValueError, RuntimeError, TypeError):  # a tensor/array with more than one element
+            return None
+        return float(out) if isinstance(out, (int, float)) else None
+    return None
+
+
+def numeric_items(data: Mapping[str, Any]) -> dict[str, float]:
+    """Flattened numeric entries of ``data`` with MLflow-safe keys; non-numbers are dropped."""
+    out = {}
+    for key, value in flatten(data).items():
+        number = as_number(value)
+        if number is not None:
+            out[clean_key(key)] = number
+    return out
+
+
+def _chunks(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+class RunLogger:
+    """Logs into an existing MLflow run from rank 0 of a torchrun job; a no-op on other ranks or without a run id.
+
+    Args:
+        rank: this process's global rank (``None`` = ``$RANK``, default 0).
+        run_id: the run to attach to (``None`` = ``$MLFLOW_RUN_ID``). The run must exist; none is created.
+        tracking_uri: the store (``None`` = ``$MLFLOW_TRACKING_URI``, else MLflow's default).
+        system_metrics: sample CPU/memory/GPU in :meth:`log_system_metrics`.
+    """
+
+    def __init__(
+        self,
+        rank: int | None = None,
+        run_id: str | None = None,
+        tracking_uri: str | None = None,
+        *,
+        system_metrics: bool = True,
+    ) -> None:
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
+        self.run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or None
+        self._client: Any = None
+        self._system: Any = None
+        self._warned: set[str] = set()
+        if self.rank != 0 or not self.run_id:
+            return
+        with self._safely("attach"):
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None)
+            client.get_run(self.run_id)  # fail now (→ warning, inactive) if the run is not there
+            self._client = client
+        if self._client is not None and system_metrics:
+            with self._safely("system_metrics"):
+                from align_pipeline.tracking.system_metrics import SystemMetrics
+
+                self._system = SystemMetrics()
+
+    @property
+    def active(self) -> bool:
+        """True when this logger writes to MLflow (rank 0, attached to a run)."""
+        return self._client is not None
+
+    @contextlib.contextmanager
+    def _safely(self, what: str):
+        """Turn any tracking error into a warning (once per kind; later ones at DEBUG): training goes on."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 — by contract, tracking never fails training
+            if what in self._warned:
+                logger.debug("MLflow %s failed again: %s", what, exc)
+                return
+            self._warned.add(what)
+            logger.warning(
+                "MLflow %s failed (run %s); training continues, further %s errors are logged at DEBUG: %s: %s",
+                *(what, self.run_id, what, type(exc).__name__, exc),
+            )
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log (nested) params; keys flattened with ``.``, values stringified and cut to 6000 characters."""
+        if not self.active:
+            return
+        with self._safely("log_params"):
+            from mlflow.entities import Param
+
+            items = [Param(clean_key(k), param_value(v)) for k, v in flatten(params).items()]
+            for chunk in _chunks(items, _PARAMS_PER_BATCH):
+                self._client.log_batch(self.run_id, params=chunk, synchronous=True)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log numeric metrics at ``step`` in one batch; nested keys flattened, non-numbers dropped."""
+        if not self.active:
+            return
+        with self._safely("log_metrics"):
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            items = [Metric(key, value, now, int(step or 0)) for key, value in numeric_items(metrics).items()]
+            for chunk in _chunks(items, _METRICS_PER_BATCH):
+                self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+
+    def log_system_metrics(self, step: int | None = None) -> dict[str, float]:
+        """Sample CPU %, process RSS, system memory and (with NVML) GPU utilisation/memory/power; log them at
+        ``step``. Returns the sample ({} when inactive)."""
+        if not self.active or self._system is None:
+            return {}
+        sample: dict[str, float] = {}
+        with self._safely("system_metrics"):
+            sample = self._system.sample()
+        if sample:
+            self.log_metrics(sample, step)
+        return sample
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Set string tags (values stringified, cut to 8000 characters)."""
+        if not self.active:
+            return
+        with self._safely("set_tags"):
+            from mlflow.entities import RunTag
+
+            items = [RunTag(clean_key(k), str(v)[:MAX_TAG_VALUE]) for k, v in tags.items() if v is not None]
+            for chunk in _chunks(items, _TAGS_PER_BATCH):
+                self._client.log_batch(self.run_id, tags=chunk, synchronous=True)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload a file, or a directory's contents, to the run's artifacts (under ``artifact_path``)."""
+        if not self.active:
+            return
+        with self._safely("log_artifact"):
+            path = Path(path)
+            if path.is_dir():
+                self._client.log_artifacts(self.run_id, str(path), artifact_path)
+            else:
+                self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def close(self) -> None:
+        """Stop logging. The run itself is left open: the Kedro hook ends it when the node finishes."""
+        if self._system is not None:
+            self._system.close()
+        self._client = None
+        self._system = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+__all__ = [
+    "RunLogger",
+    "child_run_env",
+    "clean_key",
+    "default_tracking_uri",
+    "flatten",
+    "numeric_items",
+    "param_value",
+    "resolve_tracking_uri",
+]

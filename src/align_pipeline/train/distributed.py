@@ -1,0 +1,128 @@
+"""Process-group set-up for the torchrun entry points: the one place that reads Megatron's ``parallel_state``.
+
+Everything downstream receives a :class:`Dist` and passes its process groups explicitly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from align_pipeline.config import ParallelConfig
+from align_pipeline.model import megatron_cpu
+
+
+@dataclass
+class Dist:
+    """Ranks, sizes and process groups of this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    pgs: ProcessGroupCollection
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def dp_group(self):
+        return self.pgs.dp
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Rank 0 alone logs."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        tdist.barrier()
+
+
+def init_distributed(parallel: ParallelConfig, seed: int) -> Dist:
+    """Initialise torch.distributed from torchrun's environment (or as a single process) and Megatron's groups.
+
+    Backend: ``ALIGN_BACKEND`` (set by the launcher) or nccl with CUDA, gloo without. Seeds Python, NumPy, torch and
+    Megatron's model-parallel RNG tracker (TP ranks get distinct streams for dropout in TP regions).
+    """
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    backend = os.environ.get("ALIGN_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        megatron_cpu.activate()
+    if not tdist.is_initialized():
+        tdist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    world = tdist.get_world_size()
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if world % (tp * pp) != 0:
+        raise ValueError(f"world size {world} is not divisible by TP={tp} x PP={pp}")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=True
+        )
+    seed_everything(seed)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    return Dist(
+        rank=tdist.get_rank(),
+        world_size=world,
+        local_rank=local_rank,
+        device=device,
+        backend=backend,
+        pgs=pgs,
+        tp_rank=pgs.tp.rank(),
+        tp_size=pgs.tp.size(),
+        pp_rank=pgs.pp.rank(),
+        pp_size=pgs.pp.size(),
+        dp_rank=pgs.dp.rank(),
+        dp_size=pgs.dp.size(),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank for Python/NumPy/torch; Megatron's tracker derives the per-TP-rank streams."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

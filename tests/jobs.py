@@ -1,0 +1,85 @@
+"""Test helpers: tiny tokenized data made with the real data code, and real torchrun jobs of the entry points."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from align_pipeline.config import (
+    LaunchConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    SFTJobConfig,
+    TrainingConfig,
+    to_dict,
+)
+from align_pipeline.data.formats import save_npz
+from align_pipeline.data.schemas import read_raw_jsonl, record_texts
+from align_pipeline.data.tokenize import DataPrepConfig, encode, split_encoded
+from align_pipeline.data.tokenizer import TokenizerConfig, build_tokenizer
+from align_pipeline.launch import run_torchrun
+
+REPO = Path(__file__).resolve().parents[1]
+RAW = REPO / "data" / "01_raw"
+
+TINY_MODEL = ModelConfig(
+    num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, seq_length=48
+)
+
+
+def make_sft_data(out: Path, n_train: int | None = None) -> dict[str, str]:
+    """Tokenizer + sft train/val npz from the shipped demo data (the real data_prep code path)."""
+    out.mkdir(parents=True, exist_ok=True)
+    raw = read_raw_jsonl(RAW / "sft.jsonl", "sft")
+    tok = build_tokenizer(TokenizerConfig(), [t for r in raw.records for t in record_texts(r)])
+    tok.save(out / "tokenizer")
+    enc = encode(raw, tok, TINY_MODEL.seq_length)
+    parts = split_encoded(enc, raw, tok, DataPrepConfig(), TINY_MODEL.seq_length)
+    paths = {"tokenizer": str(out / "tokenizer")}
+    for split, bundle in parts.items():
+        arrays = bundle.arrays
+        if n_train is not None and split == "train":
+            arrays = {k: v[:n_train] for k, v in arrays.items()}
+        save_npz(out / f"sft_{split}.npz", arrays, bundle.meta)
+        paths[split] = str(out / f"sft_{split}.npz")
+    return paths
+
+
+def sft_job(data: dict[str, str], run_dir: Path, **overrides: Any) -> SFTJobConfig:
+    training = TrainingConfig(
+        seed=7, train_steps=6, global_batch_size=8, micro_batch_size=2, log_interval=1, eval_interval=0,
+        eval_samples=32, save_interval=0, optimizer=OptimizerConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2),
+    )
+    job = SFTJobConfig(
+        run_dir=str(run_dir), train_data=data["train"], val_data=data["val"], tokenizer=data["tokenizer"],
+        model=TINY_MODEL, parallel=ParallelConfig(), training=training,
+    )
+    for key, value in overrides.items():
+        if key in ("training", "parallel", "model") and isinstance(value, dict):
+            value = dataclasses.replace(getattr(job, key), **value)
+        job = dataclasses.replace(job, **{key: value})
+    return job
+
+
+def run_sft(job: SFTJobConfig, nproc: int = 1) -> dict[str, Any]:
+    Path(job.run_dir).mkdir(parents=True, exist_ok=True)
+    return run_torchrun("align_pipeline.train.sft", to_dict(job), LaunchConfig(nproc_per_node=nproc), job.run_dir)
+
+
+def losses(result: dict[str, Any]) -> list[float]:
+    return [h["loss"] for h in result["history"]]
+
+
+def load_result(run_dir: Path) -> dict[str, Any]:
+    return json.loads((Path(run_dir) / "result.json").read_text())
+
+
+def assert_close(a, b, tol: float) -> None:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert np.max(np.abs(a - b)) <= tol, f"max diff {np.max(np.abs(a - b))} > {tol}\n{a}\n{b}"

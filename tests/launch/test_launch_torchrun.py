@@ -1,0 +1,228 @@
+"""run_torchrun against real torchrun (gloo, world size 2) with the toy entry point in this directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from align_pipeline.config import LaunchConfig
+from align_pipeline.launch import LaunchError, LaunchInterrupted, build_command, build_env, run_torchrun
+
+HERE = Path(__file__).parent
+TOY_ENV = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), "TOY": "yes"}
+TWO = LaunchConfig(nproc_per_node=2, backend="gloo", threads_per_process=1, log_tail_lines=12)
+
+
+@pytest.fixture(autouse=True)
+def _no_outer_mlflow_run(monkeypatch):
+    for var in ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# -- command and environment (no launch) --------------------------------------------------------------------------
+
+
+def test_multi_node_command():
+    launch = LaunchConfig(nproc_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29511)
+    cmd = build_command("align_pipeline.train.sft", "/r/config.json", launch, "/r/logs")
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    opts = dict(zip(cmd[3:15:2], cmd[4:15:2]))
+    assert opts == {
+        "--nnodes": "2",
+        "--nproc-per-node": "8",
+        "--node-rank": "1",
+        "--master-addr": "10.0.0.1",
+        "--master-port": "29511",
+        "--max-restarts": "0",
+    }
+    # the per-rank shim, then the entry point exactly as `python -m <module> --config <json>` would get it
+    assert cmd[15:] == ["-m", "align_pipeline.launch._worker", "/r/logs", "align_pipeline.train.sft", "--config",
+                        "/r/config.json"]  # fmt: skip
+
+
+def test_port_zero_picks_a_free_port_on_one_node_only():
+    cmd = build_command("m", "c.json", LaunchConfig(master_port=0), "logs")
+    assert int(cmd[cmd.index("--master-port") + 1]) > 0
+    with pytest.raises(ValueError, match="master_port"):
+        run_torchrun("m", {}, LaunchConfig(nnodes=2, master_port=0), "/nonexistent")
+
+
+def test_job_environment(monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # setdefault: an explicit user choice is kept
+    monkeypatch.setenv("SOME_USER_VAR", "kept")
+    env = build_env(LaunchConfig(nproc_per_node=2, threads_per_process=3), "gloo", {"EXTRA": 5, "SOME_USER_VAR": "x"})
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert env["ALIGN_BACKEND"] == "gloo"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["NCCL_NVLS_ENABLE"] == "1"
+    assert env["EXTRA"] == "5" and env["SOME_USER_VAR"] == "x"
+    monkeypatch.delenv("NCCL_NVLS_ENABLE")
+    env = build_env(LaunchConfig(nproc_per_node=64), "nccl")
+    assert env["NCCL_NVLS_ENABLE"] == "0"
+    assert env["OMP_NUM_THREADS"] == "1"  # max(1, cores // 64)
+    assert "MLFLOW_RUN_ID" not in env
+
+
+# -- real torchrun ------------------------------------------------------------------------------------------------
+
+
+def test_success_returns_result_streams_rank0_and_keeps_rank_logs(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="align_pipeline.launch")
+    result = run_torchrun("toy_entry", {"steps": 3}, TWO, tmp_path, env=TOY_ENV, name="toy")
+
+    assert result["world_size"] == 2
+    assert result["allreduced"] == 8.0  # 3 all-reduces of ones over 2 ranks
+    assert result["env"] == {"OMP_NUM_THREADS": "1", "ALIGN_BACKEND": "gloo", "NCCL_NVLS_ENABLE": "0", "TOY": "yes"}
+    assert json.loads((tmp_path / "config.json").read_text())["run_dir"] == str(tmp_path.resolve())
+
+    streamed = [r.getMessage() for r in caplog.records if r.name == "align_pipeline.launch"]
+    assert any("step 3/3 | loss 0.333" in m for m in streamed), streamed
+    assert any("rank 0 on stderr" in m for m in streamed)
+    assert not any("rank 1 on stderr" in m for m in streamed)  # only rank 0 is streamed
+
+    logs = tmp_path / "logs"
+    assert "step 3/3" in (logs / "rank0.log").read_text()
+    assert "rank 1 on stderr" in (logs / "rank1.log").read_text()  # stdout and stderr in one file per rank
+    assert (logs / "torchrun.log").exists()
+
+
+def test_failing_rank_raises_launch_error_with_its_traceback(tmp_path):
+    with pytest.raises(LaunchError) as info:
+        run_torchrun("toy_entry", {"mode": "fail", "fail_rank": 1}, TWO, tmp_path, env=TOY_ENV)
+    err = info.value
+    text = str(err)
+    assert "toy_entry" in text
+    assert "rank 1" in text
+    assert "code 1" in text
+    assert "boom from rank 1" in text
+    assert 'toy_entry.py", line' in text  # the tail of rank 1's traceback ...
+    assert "_worker.py" not in (tmp_path / "logs" / "rank1.log").read_text()  # ... without the launch shim's frames
+    assert (err.rank, err.exitcode) == (1, 1)
+    assert err.log_path == tmp_path.resolve() / "logs" / "rank1.log"
+    assert len(text.splitlines()) < 12 + 6
+
+
+def test_exit_zero_without_result_is_an_error(tmp_path):
+    one = LaunchConfig(nproc_per_node=1, backend="gloo", threads_per_process=1)
+    with pytest.raises(LaunchError, match="result.json"):
+        run_torchrun("toy_entry", {"mode": "no_result", "steps": 1}, one, tmp_path, env=TOY_ENV)
+
+
+class _OnStep(logging.Handler):
+    """When rank 0's progress reaches step 2: remember our descendants, then ``action()`` (in the main thread)."""
+
+    def __init__(self, action):
+        super().__init__()
+        self.action, self.procs = action, []
+
+    def emit(self, record):
+        if "step 2/" in record.getMessage() and not self.procs:
+            self.procs = psutil.Process().children(recursive=True)
+            self.action()
+
+
+def _run_interrupted(tmp_path, action, expected):
+    handler = _OnStep(action)
+    launch_logger = logging.getLogger("align_pipeline.launch")
+    launch_logger.addHandler(handler)
+    old_level = launch_logger.level
+    launch_logger.setLevel(logging.INFO)
+    try:
+        with pytest.raises(expected):
+            run_torchrun("toy_entry", {"mode": "hang", "steps": 10_000}, TWO, tmp_path, env=TOY_ENV)
+    finally:
+        launch_logger.removeHandler(handler)
+        launch_logger.setLevel(old_level)
+    worker_pids = {int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)}
+    assert worker_pids <= {p.pid for p in handler.procs}  # the workers were among what we watched
+    assert len(handler.procs) >= 3  # torchrun + 2 workers
+    alive = [p for p in handler.procs if not _gone(p)]
+    assert not alive, f"orphans left: {alive}"
+
+
+def test_ctrl_c_stops_the_whole_job(tmp_path):
+    _run_interrupted(tmp_path, lambda: os.kill(os.getpid(), signal.SIGINT), KeyboardInterrupt)
+
+
+def test_exception_in_parent_stops_the_whole_job(tmp_path):
+    def fail():
+        raise RuntimeError("parent failed while streaming")
+
+    _run_interrupted(tmp_path, fail, RuntimeError)
+
+
+def test_sigterm_to_the_parent_stops_the_whole_job(tmp_path):
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    _run_interrupted(tmp_path, lambda: os.kill(os.getpid(), signal.SIGTERM), LaunchInterrupted)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the launcher's handler is gone again
+
+
+PARENT_SCRIPT = """
+import sys
+from align_pipeline.launch import run_torchrun
+run_torchrun("toy_entry", {"mode": "hang", "steps": 10_000}, {"nproc_per_node": 2, "backend": "gloo"}, sys.argv[1],
+             env={"PYTHONPATH": sys.argv[2]})
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
+def test_sigkilled_parent_leaves_no_job_behind(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_SCRIPT, str(tmp_path), str(HERE)])
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"pid{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        job = psutil.Process(parent.pid).children(recursive=True)
+        assert len(job) >= 3
+    finally:
+        parent.kill()  # SIGKILL: no clean-up code runs in the parent
+        parent.wait()
+    _, alive = psutil.wait_procs(job, timeout=15)
+    assert all(_gone(p) for p in alive), f"orphans left: {alive}"
+
+
+def test_job_logs_into_the_active_mlflow_run(tmp_path, tmp_path_factory, monkeypatch):
+    """The launcher hands the active run to the job; rank 0 alone logs into it."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from align_pipeline.tracking import default_tracking_uri
+
+    template = tmp_path_factory.getbasetemp() / "mlflow-template" / "mlflow.db"  # a migrated empty store, copied:
+    if not template.exists():  # creating one costs seconds of fsync
+        template.parent.mkdir(exist_ok=True)
+        MlflowClient(default_tracking_uri(template.parent)).search_experiments()
+    shutil.copy(template, tmp_path / "mlflow.db")
+    uri = default_tracking_uri(tmp_path)
+    mlflow.set_tracking_uri(uri)
+    try:
+        experiment_id = MlflowClient(uri).create_experiment("launch-test")
+        with mlflow.start_run(experiment_id=experiment_id) as run:
+            result = run_torchrun("toy_entry", {"steps": 3}, TWO, tmp_path / "job", env=TOY_ENV)
+        assert result["world_size"] == 2
+        client = MlflowClient(uri)
+        history = client.get_metric_history(run.info.run_id, "loss")
+        assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 0.5), (3, 1.0 / 3)]  # once: rank 0 only
+        data = client.get_run(run.info.run_id).data
+        assert data.params["toy.steps"] == "3"
+        assert "system/cpu_utilization_percentage" in data.metrics
+    finally:
+        mlflow.set_tracking_uri(None)
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

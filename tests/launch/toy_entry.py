@@ -1,0 +1,60 @@
+"""A tiny torchrun entry point for the launcher tests (importable through PYTHONPATH=tests/launch).
+
+    python -m torch.distributed.run --nproc-per-node 2 -m toy_entry --config cfg.json
+
+config: run_dir, mode ("ok" | "fail" | "hang" | "no_result"), steps, fail_rank.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from align_pipeline.tracking import RunLogger
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    cfg = json.loads(Path(parser.parse_args().config).read_text())
+    run_dir = Path(cfg["run_dir"])
+    mode, steps = cfg.get("mode", "ok"), cfg.get("steps", 3)
+
+    dist.init_process_group(os.environ["ALIGN_BACKEND"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (run_dir / f"pid{rank}").write_text(str(os.getpid()))
+    print(f"rank {rank} on stderr", file=sys.stderr)
+    if mode == "fail" and rank == cfg.get("fail_rank", 1):
+        raise ValueError(f"boom from rank {rank}")
+
+    log = RunLogger(rank, system_metrics=True)
+    log.log_params({"toy": {"steps": steps, "mode": mode}})
+    x = torch.ones(1)
+    for step in range(1, steps + 1):
+        dist.all_reduce(x)  # all ranks in lock step; a dead peer fails this
+        loss = 1.0 / step
+        log.log_metrics({"loss": loss}, step=step)
+        if rank == 0:
+            print(f"step {step}/{steps} | loss {loss:.3f} | lr 1.0e-03 | 100 tok/s | eta 0:00:01")
+        if mode == "hang":
+            time.sleep(0.2)
+    log.log_system_metrics(step=steps)
+    log.close()
+    if rank == 0 and mode != "no_result":
+        result = {
+            "final_loss": 1.0 / steps,
+            "world_size": world,
+            "allreduced": x.item(),
+            "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "ALIGN_BACKEND", "NCCL_NVLS_ENABLE", "TOY")},
+        }
+        (run_dir / "result.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

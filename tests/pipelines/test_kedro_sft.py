@@ -1,0 +1,92 @@
+"""data_prep + sft through a real KedroSession on a temp copy of the project, with a real sqlite MLflow store."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+FAST = {
+    "model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "num_query_groups": 1,
+              "ffn_hidden_size": 64},
+    "sft": {"training": {"train_steps": 12, "global_batch_size": 8, "micro_batch_size": 4, "log_interval": 4,
+                         "eval_interval": 6, "eval_samples": 32, "save_interval": 6}},
+}
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    root = tmp_path / "proj"
+    (root / "src").mkdir(parents=True)  # the package itself is installed; Kedro only needs the source dir to exist
+    shutil.copytree(REPO / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
+    (root / "conf" / "local").mkdir()
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    shutil.copytree(REPO / "data" / "01_raw", root / "data" / "01_raw")
+    (root / "conf" / "test").mkdir()
+    (root / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(FAST))
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test-sft")
+    return root
+
+
+def _run(root: Path, pipeline: str | None = None):
+    from kedro.framework.session import KedroSession
+    from kedro.framework.startup import bootstrap_project
+
+    bootstrap_project(root)
+    with KedroSession.create(project_path=root, env="test") as session:
+        return session.run(pipeline_name=pipeline)
+
+
+def test_data_prep_and_sft_then_rerun_sft_makes_a_second_version(project):
+    import mlflow
+    from mlflow import MlflowClient
+
+    from align_pipeline.model.checkpoint import read_meta
+
+    outputs = _run(project)  # __default__ = data_prep + sft (+ later stages)
+    metrics = outputs["sft_metrics"].load()
+    assert metrics["val_loss"] < metrics["first_train_loss"] - 0.2, metrics
+    versions = sorted((project / "data" / "06_models" / "sft_policy").iterdir())
+    assert len(versions) == 1
+    meta = read_meta(versions[0] / "sft_policy")
+    assert meta["stage"] == "sft" and meta["step"] == 12
+    assert set(meta["lineage"]["data"]) == {"sft_train", "sft_val", "tokenizer"}
+    assert meta["metrics"]["val_loss"] == pytest.approx(metrics["val_loss"])
+    assert not any((project / "data" / "06_models" / "_runs" / "sft").iterdir())  # run dir handed over
+
+    _run(project, "sft")  # rerun SFT alone on the persisted data_prep outputs
+    versions = sorted((project / "data" / "06_models" / "sft_policy").iterdir())
+    assert len(versions) == 2 and all((v / "sft_policy" / "meta.json").is_file() for v in versions)
+
+    client = MlflowClient(tracking_uri=mlflow.get_tracking_uri())
+    exp = client.get_experiment_by_name("test-sft")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 2 and all(r.info.status == "FINISHED" for r in runs)
+    assert {r.data.tags.get("kedro.pipeline") for r in parents} == {"__default__", "sft"}
+    sft_children = [r for r in children if r.info.run_name == "train_sft"]
+    assert len(sft_children) == 2
+    history = client.get_metric_history(sft_children[0].info.run_id, "loss")
+    assert [m.step for m in history] == [4, 6, 8, 12]  # every log_interval (4) and every eval (6)
+    assert "val_loss" in sft_children[0].data.metrics
+    assert sft_children[0].data.tags["mlflow.parentRunId"] in {p.info.run_id for p in parents}
+    # the checkpoint's lineage names the MLflow child run that produced it
+    assert meta["lineage"]["mlflow_run_id"] in {c.info.run_id for c in sft_children}
+
+
+def test_bad_sft_params_fail_before_any_launch(project):
+    from align_pipeline.config import ConfigError
+
+    bad = {**FAST, "sft": {"training": {**FAST["sft"]["training"], "global_batch_size": 10}}}
+    (project / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(bad))
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        _run(project, "sft")
+    assert not (project / "data" / "06_models" / "_runs").exists()

@@ -1,0 +1,270 @@
+"""MlflowHook: one parent run per kedro run, one child per node, against a real sqlite store in tmp_path.
+
+The hook methods are driven directly (fast), and once through a real KedroSession on a tiny temporary project.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlflow
+import pytest
+from kedro.pipeline import Pipeline, node
+from mlflow.tracking import MlflowClient
+
+from align_pipeline.hooks import MlflowHook
+from align_pipeline.tracking import child_run_env, default_tracking_uri
+
+MLFLOW_VARS = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID")
+
+
+def fresh_mlflow_db(tmp_path_factory, path: Path) -> None:
+    """Copy a migrated, empty sqlite store to ``path`` (creating one costs seconds of fsync; copying does not)."""
+    template = tmp_path_factory.getbasetemp() / "mlflow-template" / "mlflow.db"
+    if not template.exists():
+        template.parent.mkdir(exist_ok=True)
+        MlflowClient(default_tracking_uri(template.parent)).search_experiments()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(template, path)
+
+
+@pytest.fixture
+def project(tmp_path, tmp_path_factory, monkeypatch):
+    """A project dir with an empty store at the hook's default location; MLflow's globals restored afterwards."""
+    for var in MLFLOW_VARS:
+        monkeypatch.delenv(var, raising=False)
+    fresh_mlflow_db(tmp_path_factory, tmp_path / "mlflow.db")
+    yield tmp_path
+    while mlflow.active_run():
+        mlflow.end_run()
+    mlflow.set_tracking_uri(None)
+    mlflow.tracking.fluent._active_experiment_id = None
+
+
+def prepare(train):
+    return [1, 2, 3]
+
+
+def train(data, train):
+    return {"loss": 0.5, "accuracy": 0.75, "per_task": {"add": 1.0}, "note": "not a number"}, "ckpt/path"
+
+
+def evaluate(model):
+    raise ValueError("evaluation exploded")
+
+
+PIPELINE = Pipeline(
+    [
+        node(prepare, "params:train", "data", name="prepare"),
+        node(train, ["data", "params:train"], ["train_metrics", "model"], name="train"),
+    ]
+)
+
+
+def _runs(project):
+    client = MlflowClient(default_tracking_uri(project))
+    experiment = client.get_experiment_by_name("align-pipeline")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = {r.info.run_name: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    return client, parents, children
+
+
+def _drive(hook, project, pipeline, fail_node=None, session_id="2026-01-01T00.00.00.000Z"):
+    """What a SequentialRunner does with the hooks; ``fail_node`` raises instead of finishing."""
+    hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
+    run_params = {
+        "run_id": session_id,
+        "project_path": str(project),
+        "env": "local",
+        "kedro_version": "1.7.0",
+        "pipeline_names": None,
+        "runner": "SequentialRunner",
+        "runtime_params": {"train": {"lr": 0.5}},
+    }
+    hook.before_pipeline_run(run_params=run_params, pipeline=pipeline, catalog=None)
+    seen_env = {}
+    for n in pipeline.nodes:
+        inputs = {"params:train": {"lr": 0.1, "optim": {"beta": 0.9}}} if "params:train" in n.inputs else {}
+        hook.before_node_run(node=n, inputs=inputs)
+        seen_env[n.name] = child_run_env()  # what run_torchrun would hand to the job
+        if n.name == fail_node:
+            error = ValueError(f"{n.name} exploded")
+            hook.on_node_error(error=error, node=n)
+            hook.on_pipeline_error(error=error)
+            return seen_env
+        outputs = dict(zip(n.outputs, train(None, None))) if n.name == "train" else {"data": [1, 2, 3]}
+        hook.after_node_run(node=n, outputs=outputs)
+    hook.after_pipeline_run()
+    return seen_env
+
+
+def test_one_parent_one_child_per_node_with_metrics(project, monkeypatch):
+    seen_env = _drive(MlflowHook(), project, PIPELINE)
+    assert os.environ["MLFLOW_TRACKING_URI"] == default_tracking_uri(project)  # exported for torchrun jobs
+
+    _, parents, children = _runs(project)
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.status == "FINISHED"
+    tags = parent.data.tags
+    assert tags["kedro.pipeline"] == "__default__"
+    assert tags["kedro.run_id"] == "2026-01-01T00.00.00.000Z"
+    assert tags["kedro.env"] == "local"
+    assert tags["kedro.version"] == "1.7.0"
+    assert tags["kedro.nodes"] == "prepare,train"
+    assert parent.data.params["runtime.train.lr"] == "0.5"
+
+    assert set(children) == {"prepare", "train"}
+    for name, child in children.items():
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.tags["kedro.node"] == name
+        assert child.data.tags["kedro.run_id"] == "2026-01-01T00.00.00.000Z"
+        assert child.info.status == "FINISHED"
+        # the launcher inside this node would have attached the torchrun job to this child run
+        assert seen_env[name] == {
+            "MLFLOW_TRACKING_URI": default_tracking_uri(project),
+            "MLFLOW_RUN_ID": child.info.run_id,
+        }
+    trained = children["train"]
+    assert trained.data.metrics == {"loss": 0.5, "accuracy": 0.75, "per_task.add": 1.0}
+    assert trained.data.tags["kedro.node.outputs"] == "model,train_metrics"
+    assert trained.data.params["train.lr"] == "0.1" and trained.data.params["train.optim.beta"] == "0.9"
+    assert children["prepare"].data.metrics == {}
+    assert mlflow.active_run() is None
+
+
+def test_failing_node_fails_child_and_parent(project):
+    failing = PIPELINE + Pipeline([node(evaluate, "model", "eval_metrics", name="evaluate")])
+    _drive(MlflowHook(), project, failing, fail_node="evaluate")
+    _, parents, children = _runs(project)
+    assert len(parents) == 1
+    assert parents[0].info.status == "FAILED"
+    assert parents[0].data.tags["kedro.failed_node"] == "evaluate"
+    assert children["evaluate"].info.status == "FAILED"
+    assert "evaluate exploded" in children["evaluate"].data.tags["kedro.error"]
+    assert children["train"].info.status == "FINISHED"
+    assert mlflow.active_run() is None
+
+
+def test_runs_left_open_by_an_interrupted_run_are_closed(project):
+    hook = MlflowHook()
+    hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
+    hook.before_pipeline_run(run_params={"run_id": "first"}, pipeline=PIPELINE, catalog=None)
+    hook.before_node_run(node=PIPELINE.nodes[0], inputs={})  # ... and then Ctrl-C: no more hooks
+    _drive(MlflowHook(), project, PIPELINE, session_id="second")  # a new hook in the same process
+
+    _, parents, _ = _runs(project)
+    status = {p.data.tags["kedro.run_id"]: p.info.status for p in parents}
+    assert status == {"first": "KILLED", "second": "FINISHED"}  # not nested under the stale run
+    hook._at_exit()  # nothing left to end: no error
+
+
+def test_store_and_experiment_from_environment(project, tmp_path_factory, monkeypatch):
+    other = project / "elsewhere" / "mlflow.db"
+    fresh_mlflow_db(tmp_path_factory, other)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", default_tracking_uri(other.parent))
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "custom")
+    _drive(MlflowHook(), project, PIPELINE)
+    client = MlflowClient(default_tracking_uri(other.parent))
+    assert len(client.search_runs([client.get_experiment_by_name("custom").experiment_id])) == 3
+
+
+def test_broken_store_never_fails_the_run(project, monkeypatch, caplog):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////dev/null/not-a-dir/mlflow.db")
+    _drive(MlflowHook(), project, PIPELINE)  # warnings only
+    assert "MLflow tracking failed" in caplog.text
+
+
+SESSION_SCRIPT = """
+import sys
+from pathlib import Path
+from kedro.framework.session import KedroSession
+from kedro.framework.startup import bootstrap_project
+
+project = Path(sys.argv[1])
+bootstrap_project(project)
+with KedroSession.create(project_path=project) as session:
+    session.run()
+with KedroSession.create(project_path=project, runtime_params={"train": {"fail": True}}) as session:
+    try:
+        session.run()
+    except ValueError as exc:
+        print("second run failed as asked:", exc)
+    else:
+        sys.exit("the second run should have failed")
+"""
+
+
+def test_real_kedro_session(project, tmp_path):
+    """Two `kedro run`s of a tiny project whose settings register MlflowHook: one succeeds, one fails in a node."""
+    package = "hooktoy_" + tmp_path.name.replace("-", "_")
+    src = project / "src" / package
+    src.mkdir(parents=True)
+    (project / "pyproject.toml").write_text(
+        textwrap.dedent(f"""
+        [tool.kedro]
+        package_name = "{package}"
+        project_name = "hooktoy"
+        kedro_init_version = "1.7.0"
+        source_dir = "src"
+    """)
+    )
+    (project / "conf" / "base").mkdir(parents=True)
+    (project / "conf" / "local").mkdir()
+    (project / "conf" / "base" / "parameters.yml").write_text("train:\n  lr: 0.1\n  fail: false\n")
+    (project / "conf" / "base" / "catalog.yml").write_text("{}\n")  # everything in memory
+    (src / "__init__.py").write_text("")
+    (src / "settings.py").write_text("from align_pipeline.hooks import MlflowHook\nHOOKS = (MlflowHook(),)\n")
+    (src / "pipeline_registry.py").write_text(
+        textwrap.dedent("""
+        from kedro.pipeline import Pipeline, node
+
+        def prepare(train):
+            return [1, 2, 3]
+
+        def fit(data, train):
+            if train["fail"]:
+                raise ValueError("fit failed on purpose")
+            return {"loss": 0.25, "n": len(data)}
+
+        def register_pipelines():
+            return {"__default__": Pipeline([
+                node(prepare, "params:train", "data", name="prepare"),
+                node(fit, ["data", "params:train"], "fit_metrics", name="fit"),
+            ])}
+    """)
+    )
+    env = {k: v for k, v in os.environ.items() if k not in MLFLOW_VARS}
+    env["KEDRO_DISABLE_TELEMETRY"] = "true"
+    proc = subprocess.run(
+        [sys.executable, "-c", SESSION_SCRIPT, str(project)],
+        cwd=project, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "second run failed as asked" in proc.stdout
+
+    client = MlflowClient(default_tracking_uri(project))
+    runs = client.search_runs([client.get_experiment_by_name("align-pipeline").experiment_id])
+    parents = sorted((r for r in runs if "mlflow.parentRunId" not in r.data.tags), key=lambda r: r.info.start_time)
+    assert [p.info.status for p in parents] == ["FINISHED", "FAILED"]
+    for parent in parents:
+        children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+        assert set(children) == {"prepare", "fit"}
+        assert parent.data.tags["kedro.pipeline"] == "__default__"
+        assert parent.data.tags["kedro.run_id"]
+        assert parent.data.tags["kedro.env"] == "local"  # the default run env
+        assert parent.data.tags["kedro.runner"] == "SequentialRunner"
+    ok_children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    assert ok_children["fit"].info.status == "FINISHED"
+    assert ok_children["fit"].data.metrics == {"loss": 0.25, "n": 3.0}
+    assert ok_children["fit"].data.params["train.lr"] == "0.1"
+    bad_children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[1].info.run_id}
+    assert bad_children["fit"].info.status == "FAILED"
+    assert bad_children["prepare"].info.status == "FINISHED"
