@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wrong-fraction", type=float, default=0.3, help="share of SFT outputs that are wrong")
     ap.add_argument("--reward-fraction", type=float, default=0.5, help="share of preference lines with rewards")
     ap.add_argument("--add-fraction", type=float, default=0.5, help="share of addition (vs reversal) prompts")
+    ap.add_argument("--carries", action="store_true", help="allow carrying additions (harder to learn)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         wrong_fraction=args.wrong_fraction,
         reward_fraction=args.reward_fraction,
         add_fraction=args.add_fraction,
+        carries=args.carries,
         seed=args.seed,
     )
     out = Path(args.out)

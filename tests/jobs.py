@@ -50,6 +50,21 @@ def make_sft_data(out: Path, n_train: int | None = None) -> dict[str, str]:
     return paths
 
 
+def make_pref_data(out: Path, tokenizer_dir: str) -> dict[str, str]:
+    """Preference train/val npz from the shipped demo data, tokenized with ``tokenizer_dir``."""
+    from align_pipeline.data.tokenizer import load_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(tokenizer_dir)
+    raw = read_raw_jsonl(RAW / "preference.jsonl", "preference")
+    parts = split_encoded(encode(raw, tok, TINY_MODEL.seq_length), raw, tok, DataPrepConfig(), TINY_MODEL.seq_length)
+    paths = {"tokenizer_dir": tokenizer_dir}
+    for split, bundle in parts.items():
+        save_npz(out / f"pref_{split}.npz", bundle.arrays, bundle.meta)
+        paths[split] = str(out / f"pref_{split}.npz")
+    return paths
+
+
 def sft_job(data: dict[str, str], run_dir: Path, **overrides: Any) -> SFTJobConfig:
     training = TrainingConfig(
         seed=7, train_steps=6, global_batch_size=8, micro_batch_size=2, log_interval=1, eval_interval=0,

@@ -193,6 +193,136 @@ class SFTJobConfig:
 
 
 @dataclass
+class RewardHeadConfig:
+    """How the reward model turns hidden states into a reward."""
+
+    pooling: Literal["last", "mean"] = "last"
+    """last = the value at the final response token (EOS); mean = mean over the response tokens."""
+    margin_scale: float = 0.0
+    """Bradley-Terry margin = margin_scale * (chosen_reward - rejected_reward) where the data has both (Llama 2)."""
+
+
+@dataclass
+class RewardModelJobConfig:
+    """``python -m align_pipeline.train.reward_model``: Bradley-Terry reward model on preference pairs."""
+
+    run_dir: str
+    train_data: str
+    """Tokenized preference .npz (chosen_*/rejected_* input_ids, labels, loss_mask; chosen/rejected_reward)."""
+    val_data: str
+    tokenizer: str
+    init_from: str
+    """Checkpoint (usually sft_policy) or HF dir; its LM head is replaced by a fresh value head."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    reward: RewardHeadConfig = field(default_factory=RewardHeadConfig)
+    lineage: dict[str, Any] = field(default_factory=dict)
+    stop_after_steps: int | None = None
+
+
+@dataclass
+class PreferenceLossConfig:
+    """Which preference loss (a function in ``align_pipeline.losses.preference``) and its hyper-parameters."""
+
+    name: Literal["dpo", "ipo", "rpo", "simpo", "hinge"] = "dpo"
+    """The loss function (the registry key); each cites its paper."""
+    beta: float = 0.1
+    """beta of the paper (KL strength / reward scale)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of that loss, e.g. label_smoothing (dpo), eta (rpo), gamma (simpo)."""
+    sft_weight: float = 0.0
+    """Weight of the SFT (mean NLL of the chosen response) term added to the preference loss; 0 = off."""
+
+
+@dataclass
+class ReferenceLogpsJobConfig:
+    """``python -m align_pipeline.train.reference_logps``: sequence log-probs of a frozen model on preference data."""
+
+    run_dir: str
+    checkpoint: str
+    """The reference model (normally sft_policy)."""
+    data: dict[str, str]
+    """split name -> preference .npz (e.g. {"train": ..., "val": ...})."""
+    output: str
+    """Where rank 0 writes the .npz: <split>_chosen_logps, <split>_rejected_logps, <split>_*_tokens."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size: int = 16
+    """Sequence pairs per forward."""
+
+
+@dataclass
+class DPOJobConfig:
+    """``python -m align_pipeline.train.dpo``: DPO-family training against cached reference log-probs."""
+
+    run_dir: str
+    train_data: str
+    val_data: str
+    tokenizer: str
+    init_from: str
+    """The policy's starting checkpoint (normally sft_policy)."""
+    reference_logps: str | None
+    """Cached reference log-probs (.npz from reference_logps); None only for reference-free losses (simpo)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
+    lineage: dict[str, Any] = field(default_factory=dict)
+    stop_after_steps: int | None = None
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling settings for rollouts and evaluation."""
+
+    max_new_tokens: int = 16
+    """Tokens generated per prompt at most (stops earlier at EOS)."""
+    temperature: float = 1.0
+    """Softmax temperature (1.0 = the policy's own distribution)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    samples_per_prompt: int = 1
+    """Independent samples per prompt."""
+    seed: int = 0
+    """Sampling seed (same on every TP rank; offset by DP rank)."""
+    batch_size: int = 256
+    """Prompts per generation call."""
+
+
+@dataclass
+class EvaluationJobConfig:
+    """``python -m align_pipeline.train.evaluate``: compare policies on held-out prompts and preference pairs."""
+
+    run_dir: str
+    output_dir: str
+    """Where rank 0 writes report.json, the plots and meta.json."""
+    tokenizer: str
+    prompts: str
+    """Held-out prompts .jsonl (prompt, prompt_ids, answer)."""
+    policies: dict[str, str]
+    """name -> policy checkpoint (the first named "sft" is the KL reference if ``reference`` is None)."""
+    reference: str | None = None
+    """KL reference checkpoint (normally sft_policy)."""
+    reward_model: str | None = None
+    """Reward-model checkpoint (value head) to score responses and measure RM accuracy; None = skip."""
+    preference_data: str | None = None
+    """Held-out preference pairs .npz for RM accuracy."""
+    sft_data: str | None = None
+    """Held-out SFT .npz for validation perplexity."""
+    checker: str = "align_pipeline.data.demo_task:check"
+    """``module:function(prompt, response, answer) -> bool``, the verifiable reward."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    greedy: bool = True
+    """Also report greedy-decoding accuracy."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size: int = 64
+    """Rows per scoring forward."""
+    lineage: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class StageParams:
     """A training stage's section of ``parameters_<stage>.yml`` (the node adds model/parallel/launch and paths)."""
 
@@ -205,6 +335,37 @@ class StageParams:
     resumes from its latest checkpoint."""
     keep_run_dir: bool = False
     """Keep the run directory (training checkpoints, logs) after the model has been stored as a catalog version."""
+
+
+@dataclass
+class RewardModelParams(StageParams):
+    """``params:reward_model``."""
+
+    reward: RewardHeadConfig = field(default_factory=RewardHeadConfig)
+    """How the value head pools the sequence, and the optional margin."""
+
+
+@dataclass
+class DPOParams(StageParams):
+    """``params:dpo``."""
+
+    loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
+    """The preference loss."""
+    reference_cache_dir: str = "data/07_model_output/reference_logps"
+    """Cached reference log-probs, one file per (reference checkpoint, preference data, tokenizer)."""
+    reference_micro_batch_size: int = 32
+    """Pairs per forward when computing reference log-probs."""
+
+
+@dataclass
+class EvaluationParams:
+    """``params:evaluation``."""
+
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    greedy: bool = True
+    checker: str = "align_pipeline.data.demo_task:check"
+    micro_batch_size: int = 64
+    runs_dir: str = "data/06_models/_runs"
 
 
 def _type_name(tp: Any) -> str:
@@ -308,7 +469,17 @@ __all__ = [
     "LaunchConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "DPOJobConfig",
+    "DPOParams",
+    "EvaluationJobConfig",
+    "EvaluationParams",
+    "GenerationConfig",
     "ParallelConfig",
+    "PreferenceLossConfig",
+    "ReferenceLogpsJobConfig",
+    "RewardHeadConfig",
+    "RewardModelJobConfig",
+    "RewardModelParams",
     "SFTJobConfig",
     "StageParams",
     "TrainingConfig",

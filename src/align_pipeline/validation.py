@@ -7,7 +7,16 @@ from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
-from align_pipeline.config import LaunchConfig, ModelConfig, ParallelConfig, StageParams, from_dict
+from align_pipeline.config import (
+    DPOParams,
+    EvaluationParams,
+    LaunchConfig,
+    ModelConfig,
+    ParallelConfig,
+    RewardModelParams,
+    StageParams,
+    from_dict,
+)
 
 # "params:<section>" -> dataclass (or "module:Class" resolved lazily).
 PARAM_SCHEMAS: dict[str, Any] = {
@@ -15,6 +24,9 @@ PARAM_SCHEMAS: dict[str, Any] = {
     "parallel": ParallelConfig,
     "launch": LaunchConfig,
     "sft": StageParams,
+    "reward_model": RewardModelParams,
+    "dpo": DPOParams,
+    "evaluation": EvaluationParams,
     "data_prep": "align_pipeline.data.tokenize:DataPrepConfig",
 }
 
@@ -42,3 +54,4 @@ class ParamsValidationHook:
             if name.startswith("params:")
         }
         validate_params(catalog.load("parameters"), used)
+

@@ -52,6 +52,19 @@ def test_generated_data_is_deterministic_disjoint_and_noisy():
         assert d.check(r["prompt"], r["chosen_response"]) and not d.check(r["prompt"], r["rejected_response"])
     assert any("chosen_reward" in r for r in a["preference"]) and any("chosen_reward" not in r for r in a["preference"])
     assert all(d.check(r["prompt"], r["answer"]) for r in a["prompts"])
+    adds = [r["input"] for r in a["sft"] if d.task_kind(r["input"]) == "add"]
+    assert 0.4 < len(adds) / len(a["sft"]) < 0.6 and len(set(adds)) == len(adds)
+    assert not any(d.has_carry(*map(int, p[len("add: ") :].split("+"))) for p in adds)
+
+
+def test_addition_space_exhausted_keeps_held_out_disjoint():
+    a = d.make_demo_datasets(n_sft=3000, n_preference=1000, n_prompts=1000, add_fraction=1.0, seed=0)
+    held = {r["prompt"] for r in a["prompts"]}
+    assert len(held) == 1000
+    assert not held & {r["input"] for r in a["sft"]} and not held & {r["prompt"] for r in a["preference"]}
+    assert len({r["input"] for r in a["sft"]}) == len(d.addition_pairs()) - 1000  # the rest of the space, all used
+    carrying = d.make_demo_datasets(n_sft=200, n_preference=10, n_prompts=10, add_fraction=1.0, carries=True)
+    assert any(d.has_carry(*map(int, r["input"][5:].split("+"))) for r in carrying["sft"])
 
 
 def test_shipped_files_match_the_generator(tmp_path):

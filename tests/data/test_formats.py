@@ -68,10 +68,9 @@ def test_tampering_and_missing_sidecar_detected(tmp_path):
 
 def test_atomic_open_leaves_nothing_on_error(tmp_path):
     (tmp_path / "f").write_bytes(b"old")
-    with pytest.raises(RuntimeError):
-        with atomic_open(tmp_path / "f") as f:
-            f.write(b"partial")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), atomic_open(tmp_path / "f") as f:
+        f.write(b"partial")
+        raise RuntimeError("boom")
     assert (tmp_path / "f").read_bytes() == b"old" and os.listdir(tmp_path) == ["f"]
 
 

@@ -25,8 +25,12 @@ GOOD_SFT = {"input": "add: 1+2\n", "output": "3"}
         ("sft", {"conversations": [{"from": "Bot", "value": "hi"}]}, "conversations[0].from", "User"),
         ("sft", {"conversations": [{"from": "User", "value": "hi"}]}, "conversations", "no Assistant turn"),
         ("preference", {"prompt": "p", "chosen_response": "a"}, "rejected_response", "missing"),
-        ("preference", {"prompt": "p", "chosen_response": "a", "rejected_response": "b", "chosen_reward": "1"},
-         "chosen_reward", "expected a number, got string"),
+        (
+            "preference",
+            {"prompt": "p", "chosen_response": "a", "rejected_response": "b", "chosen_reward": "1"},
+            "chosen_reward",
+            "expected a number, got string",
+        ),
         ("prompts", {"prompt": 5}, "prompt", "expected a string, got int"),
         ("prompts", {"prompt": "p", "answer": "a", "id": 3}, "id", "unknown field"),
     ],
@@ -84,7 +88,11 @@ def test_chat_records_and_nemo_keys(tmp_path):
     }
     data = read_raw_jsonl(_write(tmp_path / "chat.jsonl", [chat, GOOD_SFT]), "sft")
     assert sft_segments(data.records[0]) == [
-        ("be brief\n", False), ("hi\n", False), ("yo", True), ("again\n", False), ("yo yo", True)
+        ("be brief\n", False),
+        ("hi\n", False),
+        ("yo", True),
+        ("again\n", False),
+        ("yo yo", True),
     ]
     assert sft_segments(data.records[1]) == [("add: 1+2\n", False), ("3", True)]
 

@@ -59,12 +59,19 @@ def test_chat_loss_only_on_assistant_turns(tok):
 
 def test_preference_arrays_and_rewards(tok):
     recs = [
-        {"prompt": "add: 1+2\n", "chosen_response": "3", "rejected_response": "4", "chosen_reward": 1,
-         "rejected_reward": 0.0},
+        {
+            "prompt": "add: 1+2\n",
+            "chosen_response": "3",
+            "rejected_response": "4",
+            "chosen_reward": 1,
+            "rejected_reward": 0.0,
+        },
         {"prompt": "reverse: ab\n", "chosen_response": "ba", "rejected_response": "ab"},
     ]
     a = encode(_raw("preference", recs), tok, 32).arrays
-    assert set(a) == {f"{s}_{k}" for s in ("chosen", "rejected") for k in ("input_ids", "labels", "loss_mask", "reward")}
+    assert set(a) == {
+        f"{s}_{k}" for s in ("chosen", "rejected") for k in ("input_ids", "labels", "loss_mask", "reward")
+    }
     assert a["chosen_reward"].dtype == np.float32 and a["chosen_reward"][0] == 1.0 and np.isnan(a["chosen_reward"][1])
     assert np.isnan(a["rejected_reward"][1]) and a["rejected_reward"][0] == 0.0
     for side, resp in (("chosen", "ba"), ("rejected", "ab")):
@@ -75,7 +82,11 @@ def test_preference_arrays_and_rewards(tok):
 
 def test_prompts_records(tok):
     enc = encode(_raw("prompts", [{"prompt": "add: 1+2\n", "answer": "3"}, {"prompt": "reverse: ab\n"}]), tok, 32)
-    assert enc.records[0] == {"prompt": "add: 1+2\n", "answer": "3", "prompt_ids": [tok.bos_id] + tok.encode("add: 1+2\n")}
+    assert enc.records[0] == {
+        "prompt": "add: 1+2\n",
+        "answer": "3",
+        "prompt_ids": [tok.bos_id] + tok.encode("add: 1+2\n"),
+    }
     assert enc.records[1]["answer"] is None
 
 
@@ -83,17 +94,26 @@ def test_prompts_records(tok):
     "kind, rec, field",
     [
         ("sft", {"input": "add: 1+2\n", "output": "3" * 30}, "output"),
-        ("sft", {"conversations": [{"from": "User", "value": "a" * 20}, {"from": "Assistant", "value": "b" * 20}]},
-         "conversations"),
-        ("preference", {"prompt": "add: 1+2\n", "chosen_response": "3", "rejected_response": "4" * 30},
-         "rejected_response"),
+        (
+            "sft",
+            {"conversations": [{"from": "User", "value": "a" * 20}, {"from": "Assistant", "value": "b" * 20}]},
+            "conversations",
+        ),
+        (
+            "preference",
+            {"prompt": "add: 1+2\n", "chosen_response": "3", "rejected_response": "4" * 30},
+            "rejected_response",
+        ),
         ("prompts", {"prompt": "a" * 40}, "prompt"),
         ("prompts", {"prompt": "add: 1+2\n", "answer": "3" * 30}, "answer"),
     ],
 )
 def test_too_long_sample_names_length_and_limit(tok, kind, rec, field):
-    ok = {"sft": {"input": "a", "output": "b"}, "preference": {"prompt": "a", "chosen_response": "b",
-          "rejected_response": "c"}, "prompts": {"prompt": "a"}}[kind]
+    ok = {
+        "sft": {"input": "a", "output": "b"},
+        "preference": {"prompt": "a", "chosen_response": "b", "rejected_response": "c"},
+        "prompts": {"prompt": "a"},
+    }[kind]
     with pytest.raises(DataValidationError) as exc:
         encode(_raw(kind, [ok, ok, rec]), tok, 32)
     msg = str(exc.value)
@@ -114,7 +134,7 @@ def test_split_is_deterministic_exact_and_order_free():
     assert (tr, va) == split_indices(keys, 0.1, seed=7)
     assert len(va) == 100 and sorted(tr + va) == list(range(1000)) and not set(tr) & set(va)
     assert split_indices(keys, 0.1, seed=8)[1] != va
-    rev_tr, rev_va = split_indices(keys[::-1], 0.1, seed=7)
+    _rev_tr, rev_va = split_indices(keys[::-1], 0.1, seed=7)
     assert sorted(keys[::-1][i] for i in rev_va) == sorted(keys[i] for i in va)
     assert split_indices(["a", "b"], 0.01, seed=0)[1] != []  # at least one val sample
     assert split_indices(["a", "b"], 0.0, seed=0) == ([0, 1], [])

@@ -41,9 +41,10 @@ def test_char_tokenizer_is_one_token_per_char_and_deterministic():
     a = train_tokenizer(TEXTS)
     assert len(a.encode("reverse: abcd\n")) == len("reverse: abcd\n")
     assert train_tokenizer(list(reversed(TEXTS))).fingerprint == a.fingerprint
-    assert train_tokenizer(TEXTS, TokenizerConfig(kind="bpe", vocab_size=60)).fingerprint == train_tokenizer(
-        TEXTS, TokenizerConfig(kind="bpe", vocab_size=60)
-    ).fingerprint
+    assert (
+        train_tokenizer(TEXTS, TokenizerConfig(kind="bpe", vocab_size=60)).fingerprint
+        == train_tokenizer(TEXTS, TokenizerConfig(kind="bpe", vocab_size=60)).fingerprint
+    )
 
 
 def test_char_vocab_cap_maps_rare_chars_to_unk():
@@ -99,7 +100,9 @@ def test_hf_dir_special_ids_from_config_only(tmp_path):
     from tokenizers import Tokenizer, models
 
     (tmp_path / "m").mkdir()
-    Tokenizer(models.WordLevel({"a": 0, "b": 1, "<end>": 2}, unk_token="a")).save(str(tmp_path / "m" / "tokenizer.json"))
+    Tokenizer(models.WordLevel({"a": 0, "b": 1, "<end>": 2}, unk_token="a")).save(
+        str(tmp_path / "m" / "tokenizer.json")
+    )
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     tok = load_tokenizer(tmp_path / "m")
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 2)

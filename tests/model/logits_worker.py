@@ -13,7 +13,6 @@ import torch
 
 from align_pipeline.config import ModelConfig, ParallelConfig, from_dict
 from align_pipeline.model import init
-from align_pipeline.model.gpt import build_gpt
 from align_pipeline.train import loop
 from align_pipeline.train.distributed import init_distributed, shutdown
 
@@ -25,9 +24,7 @@ def main() -> None:
     parallel = from_dict(ParallelConfig, cfg["parallel"])
     dist = init_distributed(parallel, seed=0)
     source = init.resolve(cfg["checkpoint"], ModelConfig(), tokenizer_vocab_size=0)
-    model = build_gpt(source.model, parallel, source.vocab_size, dist.pgs,
-                      pre_process=dist.is_first_stage, post_process=dist.is_last_stage)
-    source.load(model)
+    model = init.build_model(source, parallel, dist)
     model.eval()
     tokens = torch.tensor(cfg["tokens"], dtype=torch.long)
     assert dist.pp_size == 1, "this worker runs PP=1 only"

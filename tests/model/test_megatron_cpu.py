@@ -97,9 +97,10 @@ def test_megatron_call_sites_are_traced_during_a_training_step():
         from align_pipeline.losses.sft import masked_token_loss
         from align_pipeline.model import megatron_cpu
         dist = init_distributed(ParallelConfig(), seed=1)
-        model, opt, sched = loop.build_model_and_optimizer(
-            ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8), ParallelConfig(),
-            TrainingConfig(train_steps=2), 32, dist)
+        from align_pipeline.model.init import resolve
+        source = resolve(None, ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8), 32)
+        model, opt, sched = loop.build_model_and_optimizer(source, ParallelConfig(), TrainingConfig(train_steps=2),
+                                                           dist)
         ids = torch.randint(0, 32, (2, 8))
         batch = {"input_ids": ids, "labels": ids, "loss_mask": torch.ones(2, 8)}
         def fl(m, b):

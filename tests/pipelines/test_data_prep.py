@@ -76,15 +76,31 @@ def _outputs_written(project: Path) -> list[str]:
 BAD_CASES = {
     # name: (file, line index to replace (None = whole file), replacement line(s), expected message parts)
     "invalid_json": ("sft", 6, '{"input": "add: 1+2\\n", "output": "3"', ["sft.jsonl line 7", "invalid JSON"]),
-    "missing_field": ("preference", 2, '{"prompt": "add: 1+2\\n", "chosen_response": "3"}',
-                      ["preference.jsonl line 3", 'field "rejected_response"', "missing"]),
-    "wrong_type": ("sft", 16, '{"input": "add: 1+2\\n", "output": 3}',
-                   ["sft.jsonl line 17", 'field "output"', "expected a string, got int"]),
-    "extra_field": ("prompts", 4, '{"prompt": "add: 1+2\\n", "answer": "3", "difficulty": 1}',
-                    ["prompts.jsonl line 5", 'field "difficulty"', "unknown field"]),
+    "missing_field": (
+        "preference",
+        2,
+        '{"prompt": "add: 1+2\\n", "chosen_response": "3"}',
+        ["preference.jsonl line 3", 'field "rejected_response"', "missing"],
+    ),
+    "wrong_type": (
+        "sft",
+        16,
+        '{"input": "add: 1+2\\n", "output": 3}',
+        ["sft.jsonl line 17", 'field "output"', "expected a string, got int"],
+    ),
+    "extra_field": (
+        "prompts",
+        4,
+        '{"prompt": "add: 1+2\\n", "answer": "3", "difficulty": 1}',
+        ["prompts.jsonl line 5", 'field "difficulty"', "unknown field"],
+    ),
     "empty_file": ("prompts", None, [], ["prompts.jsonl", "file is empty"]),
-    "too_long": ("sft", 9, json.dumps({"input": "reverse: " + "ab" * 20 + "\n", "output": "ba" * 20}),
-                 ["sft.jsonl line 10", 'field "output"', "is 92 tokens", "longer than model.seq_length = 48"]),
+    "too_long": (
+        "sft",
+        9,
+        json.dumps({"input": "reverse: " + "ab" * 20 + "\n", "output": "ba" * 20}),
+        ["sft.jsonl line 10", 'field "output"', "is 92 tokens", "longer than model.seq_length = 32"],
+    ),
 }
 
 
@@ -135,17 +151,20 @@ def test_good_run_on_shipped_data(project):
 
     sft = load_npz(out / "sft_train.npz")
     meta = json.loads((out / "sft_train.npz.meta.json").read_text())
-    assert sft["input_ids"].shape == (3600, 48) and meta["num_samples"] == 3600 and meta["seq_length"] == 48
+    n_train = meta["num_samples"]
+    n_val = json.loads((out / "sft_val.npz.meta.json").read_text())["num_samples"]
+    assert n_train + n_val == 4000 and 350 <= n_val <= 450  # 10 % of the distinct prompts, with their repeats
+    assert sft["input_ids"].shape == (n_train, 32) and meta["seq_length"] == 32
     assert meta["tokenizer_fingerprint"] == tok.fingerprint and meta["source"].endswith("sft.jsonl")
     assert np.array_equal(sft["labels"][:, :-1], sft["input_ids"][:, 1:])
     assert (sft["input_ids"][:, 0] == tok.bos_id).all()
     pref = load_npz(out / "pref_val.npz")
-    assert pref["chosen_input_ids"].shape == (200, 48) and np.isnan(pref["chosen_reward"]).any()
+    assert pref["chosen_input_ids"].shape == (200, 32) and np.isnan(pref["chosen_reward"]).any()
     prompts = load_jsonl(out / "prompts_val.jsonl")
     assert len(prompts) == 200 and all(p["prompt_ids"][0] == tok.bos_id and p["answer"] for p in prompts)
 
     metrics = result["data_prep_metrics"].load()  # free outputs come back from session.run
-    assert metrics["sft_train_samples"] == 3600 and metrics["prompts_val_samples"] == 200
+    assert metrics["sft_train_samples"] == n_train and metrics["prompts_val_samples"] == 200
     assert metrics["sft_max_tokens"] <= 24 and metrics["tokenizer_fingerprint"] == tok.fingerprint
 
     # The catalog hands training nodes Artifacts (paths + fingerprints), never arrays.

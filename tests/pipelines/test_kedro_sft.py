@@ -14,8 +14,9 @@ pytestmark = pytest.mark.slow
 FAST = {
     "model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "num_query_groups": 1,
               "ffn_hidden_size": 64},
-    "sft": {"training": {"train_steps": 12, "global_batch_size": 8, "micro_batch_size": 4, "log_interval": 4,
-                         "eval_interval": 6, "eval_samples": 32, "save_interval": 6}},
+    "sft": {"training": {"train_steps": 24, "global_batch_size": 8, "micro_batch_size": 4, "log_interval": 8,
+                         "eval_interval": 12, "eval_samples": 32, "save_interval": 12,
+                         "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 4}}},
 }
 
 
@@ -35,13 +36,13 @@ def project(tmp_path, monkeypatch):
     return root
 
 
-def _run(root: Path, pipeline: str | None = None):
+def _run(root: Path, *pipelines: str):
     from kedro.framework.session import KedroSession
     from kedro.framework.startup import bootstrap_project
 
     bootstrap_project(root)
     with KedroSession.create(project_path=root, env="test") as session:
-        return session.run(pipeline_name=pipeline)
+        return session.run(pipeline_names=list(pipelines))
 
 
 def test_data_prep_and_sft_then_rerun_sft_makes_a_second_version(project):
@@ -50,14 +51,14 @@ def test_data_prep_and_sft_then_rerun_sft_makes_a_second_version(project):
 
     from align_pipeline.model.checkpoint import read_meta
 
-    outputs = _run(project)  # __default__ = data_prep + sft (+ later stages)
+    outputs = _run(project, "data_prep", "sft")
     metrics = outputs["sft_metrics"].load()
     assert metrics["val_loss"] < metrics["first_train_loss"] - 0.2, metrics
     versions = sorted((project / "data" / "06_models" / "sft_policy").iterdir())
     assert len(versions) == 1
     meta = read_meta(versions[0] / "sft_policy")
-    assert meta["stage"] == "sft" and meta["step"] == 12
-    assert set(meta["lineage"]["data"]) == {"sft_train", "sft_val", "tokenizer"}
+    assert meta["stage"] == "sft" and meta["step"] == 24
+    assert set(meta["lineage"]["data"]) == {"train", "val", "tokenizer"}
     assert meta["metrics"]["val_loss"] == pytest.approx(metrics["val_loss"])
     assert not any((project / "data" / "06_models" / "_runs" / "sft").iterdir())  # run dir handed over
 
@@ -71,11 +72,11 @@ def test_data_prep_and_sft_then_rerun_sft_makes_a_second_version(project):
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(parents) == 2 and all(r.info.status == "FINISHED" for r in runs)
-    assert {r.data.tags.get("kedro.pipeline") for r in parents} == {"__default__", "sft"}
+    assert {r.data.tags.get("kedro.pipeline") for r in parents} == {"data_prep,sft", "sft"}
     sft_children = [r for r in children if r.info.run_name == "train_sft"]
     assert len(sft_children) == 2
     history = client.get_metric_history(sft_children[0].info.run_id, "loss")
-    assert [m.step for m in history] == [4, 6, 8, 12]  # every log_interval (4) and every eval (6)
+    assert [m.step for m in history] == [8, 12, 16, 24]  # every log_interval (8) and every eval (12)
     assert "val_loss" in sft_children[0].data.metrics
     assert sft_children[0].data.tags["mlflow.parentRunId"] in {p.info.run_id for p in parents}
     # the checkpoint's lineage names the MLflow child run that produced it

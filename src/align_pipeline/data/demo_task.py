@@ -3,15 +3,20 @@
 Two kinds of prompt, one answer each, checked by a function (the verifiable reward of REINFORCE/PPO/evaluation):
 
     reverse: abcd\\n   ->  dcba        (3-6 lowercase letters, reversed)
-    add: 23+45\\n      ->  68          (two 2-digit numbers, 10..99, summed)
+    add: 23+45\\n      ->  68          (two 2-digit numbers, 10..99, no carry in any column, summed)
 
 With the character-level tokenizer a sample is at most 24 tokens (``<bos>`` + 16 prompt chars + 6 answer chars +
 ``<eos>``), well under ``model.seq_length`` = 48.
 
 :func:`make_demo_datasets` builds the shipped ``data/01_raw`` files (``scripts/make_demo_data.py`` writes them):
-SFT data in which ~30 % of the responses are *plausibly* wrong (a dropped carry, an off-by-one digit, a swapped
-letter pair, the letters left unreversed), preference pairs (correct vs plausibly wrong) and held-out prompts whose
+SFT data in which ~30 % of the responses are *plausibly* wrong (an off-by-one digit, a swapped letter pair, the
+letters left unreversed, a dropped letter), preference pairs (correct vs plausibly wrong) and held-out prompts whose
 strings appear in neither the SFT nor the preference file. Nothing here imports Kedro or torch.
+
+Why no carries by default: in small experiments (2-layer, hidden-128 GPT, 300 steps of 32 samples, 30 % noisy
+labels) no-carry addition reached 10-70 % greedy accuracy on held-out prompts while carrying 2-digit addition stayed
+at 3-9 %; an RL stage needs a policy that is right some of the time. ``carries=True`` (``--carries``) gives the harder
+task; :func:`answer_for` / :func:`check` handle any sum.
 """
 
 from __future__ import annotations
@@ -138,26 +143,55 @@ def wrong_answer_for(prompt: str, rng: random.Random) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _random_prompt(rng: random.Random, add_fraction: float) -> str:
-    if rng.random() < add_fraction:
-        return add_prompt(rng.randint(MIN_OPERAND, MAX_OPERAND), rng.randint(MIN_OPERAND, MAX_OPERAND))
-    n = rng.randint(MIN_LETTERS, MAX_LETTERS)
-    return reverse_prompt("".join(rng.choice(string.ascii_lowercase) for _ in range(n)))
+def has_carry(a: int, b: int) -> bool:
+    """True when the column-wise sum of ``a + b`` carries anywhere (e.g. 27+45, 73+52)."""
+    while a or b:
+        if a % 10 + b % 10 >= 10:
+            return True
+        a, b = a // 10, b // 10
+    return False
 
 
-def _unique_prompts(rng: random.Random, n: int, exclude: set[str], add_fraction: float) -> list[str]:
-    """``n`` distinct prompts not in ``exclude``; once the addition space is exhausted, repeats are allowed."""
-    out: list[str] = []
-    seen = set(exclude)
-    tries = 0
-    while len(out) < n:
-        p = _random_prompt(rng, add_fraction)
-        tries += 1
-        if p in seen and tries < 50 * n:
-            continue
-        seen.add(p)
-        out.append(p)
-    return out
+def addition_pairs(carries: bool = False) -> list[tuple[int, int]]:
+    """All operand pairs of the addition task, in order; without ``carries`` only sums with no carry in any column
+    (1980 pairs, sums 20..99 - learnable in a few hundred steps, where carrying addition is not)."""
+    span = range(MIN_OPERAND, MAX_OPERAND + 1)
+    return [(a, b) for a in span for b in span if carries or not has_carry(a, b)]
+
+
+class _PromptSource:
+    """Random prompts: reversal prompts drawn fresh (a huge space), addition prompts dealt from a shuffled pool.
+
+    :meth:`draw` never returns an excluded prompt and avoids repeats within one draw while the space allows.
+    """
+
+    def __init__(self, rng: random.Random, add_fraction: float, carries: bool):
+        self.rng = rng
+        self.add_fraction = add_fraction
+        self.pairs = addition_pairs(carries)
+
+    def _reverse(self) -> str:
+        n = self.rng.randint(MIN_LETTERS, MAX_LETTERS)
+        return reverse_prompt("".join(self.rng.choice(string.ascii_lowercase) for _ in range(n)))
+
+    def draw(self, n: int, exclude: set[str]) -> list[str]:
+        n_add = sum(self.rng.random() < self.add_fraction for _ in range(n))
+        pool = [add_prompt(a, b) for a, b in self.pairs if add_prompt(a, b) not in exclude]
+        adds: list[str] = []
+        while len(adds) < n_add and pool:  # each pass deals the whole pool once (repeats only after exhausting it)
+            batch = pool[:]
+            self.rng.shuffle(batch)
+            adds += batch[: n_add - len(adds)]
+        reverses: list[str] = []
+        seen = set(exclude)
+        while len(reverses) < n - len(adds):
+            p = self._reverse()
+            if p not in seen:
+                seen.add(p)
+                reverses.append(p)
+        out = adds + reverses
+        self.rng.shuffle(out)
+        return out
 
 
 def make_demo_datasets(
@@ -167,17 +201,20 @@ def make_demo_datasets(
     wrong_fraction: float = 0.3,
     reward_fraction: float = 0.5,
     add_fraction: float = 0.5,
+    carries: bool = False,
     seed: int = 0,
 ) -> dict[str, list[dict[str, Any]]]:
     """The three raw demo files as lists of records: ``{"sft": [...], "preference": [...], "prompts": [...]}``.
 
-    Deterministic for a given seed. Held-out prompts are drawn first, so their strings never occur in the SFT or
-    preference data; the SFT and preference prompts are also distinct from each other.
+    Deterministic for a given seed. Held-out prompts (``prompts``) are drawn first and never occur in the SFT or
+    preference data. Reversal prompts are distinct across all three files; addition prompts are distinct within a
+    file until the (small) no-carry space runs out, after which SFT repeats some, and SFT and preference share some.
     """
     rng = random.Random(seed)
-    held_out = _unique_prompts(rng, n_prompts, set(), add_fraction)
-    sft_prompts = _unique_prompts(rng, n_sft, set(held_out), add_fraction)
-    pref_prompts = _unique_prompts(rng, n_preference, set(held_out) | set(sft_prompts), add_fraction)
+    source = _PromptSource(rng, add_fraction, carries)
+    held_out = source.draw(n_prompts, set())
+    sft_prompts = source.draw(n_sft, set(held_out))
+    pref_prompts = source.draw(n_preference, set(held_out) | {p for p in sft_prompts if p.startswith(REVERSE_PREFIX)})
 
     sft = []
     for p in sft_prompts:
@@ -204,8 +241,10 @@ __all__ = [
     "ADD_PREFIX",
     "REVERSE_PREFIX",
     "add_prompt",
+    "addition_pairs",
     "answer_for",
     "check",
+    "has_carry",
     "make_demo_datasets",
     "normalize_response",
     "reverse_prompt",

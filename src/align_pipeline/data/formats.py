@@ -226,8 +226,8 @@ def load_artifact(path: PathLike, verify: bool = False) -> Artifact:
 
 
 __all__ = [
-    "Artifact",
     "ArrayBundle",
+    "Artifact",
     "RecordBundle",
     "arrays_fingerprint",
     "atomic_open",

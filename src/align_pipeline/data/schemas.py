@@ -110,9 +110,7 @@ def _expect_number(obj: dict, key: str) -> None:
 def _reject_extra(obj: dict, allowed: set[str], prefix: str = "") -> None:
     extra = [k for k in obj if k not in allowed]
     if extra:
-        raise _FieldError(
-            f"{prefix}{extra[0]}", f"unknown field (allowed: {', '.join(sorted(allowed))})"
-        )
+        raise _FieldError(f"{prefix}{extra[0]}", f"unknown field (allowed: {', '.join(sorted(allowed))})")
 
 
 SFT_PLAIN_FIELDS = {"input", "output"}
@@ -147,9 +145,7 @@ def _check_sft(obj: dict) -> None:
             raise _FieldError("conversations", "no Assistant turn (nothing to train on)")
         return
     if "input" not in obj and "output" not in obj:
-        raise _FieldError(
-            "input", 'missing (required): expected {"input", "output"} or chat {"conversations": [...]}'
-        )
+        raise _FieldError("input", 'missing (required): expected {"input", "output"} or chat {"conversations": [...]}')
     _reject_extra(obj, SFT_PLAIN_FIELDS)
     _expect_str(obj, "input")
     _expect_str(obj, "output")
@@ -257,8 +253,8 @@ def record_texts(record: dict[str, Any]) -> list[str]:
 
 
 __all__ = [
-    "DataValidationError",
     "KINDS",
+    "DataValidationError",
     "RawData",
     "display_path",
     "make_error",

@@ -117,7 +117,7 @@ def split_indices(keys: list[str], val_fraction: float, seed: int) -> tuple[list
     """Deterministic (train, val) indices into ``keys``; see the module docstring."""
     unique = sorted(set(keys), key=lambda k: hashlib.sha256(f"{seed}\x00{k}".encode()).digest())
     n = len(unique)
-    n_val = int(round(n * val_fraction))
+    n_val = round(n * val_fraction)
     if val_fraction > 0 and n >= 2:
         n_val = min(max(n_val, 1), n - 1)
     val_keys = set(unique[:n_val])
@@ -159,12 +159,12 @@ def encode_sft(raw: RawData, tok: TextTokenizer, seq_length: int) -> Encoded:
 def encode_preference(raw: RawData, tok: TextTokenizer, seq_length: int) -> Encoded:
     sides: dict[str, list] = {"chosen": [], "rejected": []}
     for i, rec in enumerate(raw.records):
-        for side in sides:
+        for side, samples in sides.items():
             ids, resp = encode_prompt_response(tok, rec["prompt"], rec[f"{side}_response"])
             if len(ids) > seq_length:
                 what = f"<bos> + prompt + {side}_response + <eos>"
                 raise raw.error(i, f"{side}_response", _too_long(len(ids), seq_length, what))
-            sides[side].append((ids, resp))
+            samples.append((ids, resp))
     arrays: dict[str, np.ndarray] = {}
     for side, samples in sides.items():
         for k, v in pack(samples, seq_length, tok.pad_id).items():

@@ -292,7 +292,10 @@ def _first_failure(log_dir: Path, agent_log: str) -> tuple[int | None, int | Non
     if exits:
         first = min(exits, key=lambda e: e.get("time", float("inf")))
         rank = int(first["rank"])
-        return rank, codes.get(rank, first.get("exitcode")), first.get("error")
+        # The code the rank itself exited with; torchrun may report a later SIGTERM (-15) if it tore the rank down
+        # while it was still exiting.
+        exitcode = first.get("exitcode")
+        return rank, exitcode if exitcode is not None else codes.get(rank), first.get("error")
     if root is not None:
         return root[0], root[1], None
     return None, None, None

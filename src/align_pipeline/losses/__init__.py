@@ -1,0 +1,39 @@
+"""Pure loss functions: ``(loss_sum, count, metric sums)``, see :mod:`align_pipeline.losses.base`."""
+
+from align_pipeline.losses.base import Loss, LossOutput
+from align_pipeline.losses.preference import (
+    PREFERENCE_LOSSES,
+    REFERENCE_FREE_LOSSES,
+    PreferenceLogps,
+    PreferenceLoss,
+    combine,
+    dpo_loss,
+    get_preference_loss,
+    hinge_loss,
+    ipo_loss,
+    rpo_loss,
+    sft_mix,
+    simpo_loss,
+)
+from align_pipeline.losses.reward import bradley_terry_loss, regression_reward_loss
+from align_pipeline.losses.sft import masked_token_loss
+
+__all__ = [
+    "PREFERENCE_LOSSES",
+    "REFERENCE_FREE_LOSSES",
+    "Loss",
+    "LossOutput",
+    "PreferenceLogps",
+    "PreferenceLoss",
+    "bradley_terry_loss",
+    "combine",
+    "dpo_loss",
+    "get_preference_loss",
+    "hinge_loss",
+    "ipo_loss",
+    "masked_token_loss",
+    "regression_reward_loss",
+    "rpo_loss",
+    "sft_mix",
+    "simpo_loss",
+]

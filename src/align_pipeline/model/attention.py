@@ -63,6 +63,10 @@ class SDPAttention(DotProductAttention):
             sdpa_mask = _causal_keep_mask(sq, sk, q.device)
             causal = False
 
+        if sdpa_mask is not None:
+            # A query that may attend to nothing (e.g. a left-padding row) would give NaN; let it see every key instead
+            # (its output is never used, but NaN would spread through 0 * NaN later).
+            sdpa_mask = sdpa_mask | ~sdpa_mask.any(-1, keepdim=True)
         dropout_p = self.attention_dropout.p if self.training else 0.0
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():

@@ -20,6 +20,10 @@ class ModelSource:
     load: Callable[[Any], Any] | None
     parent: dict[str, Any]
     """Lineage of the source: {"kind": "random"|"checkpoint"|"hf", "path": ..., "meta": {...}}."""
+    head: str = "lm"
+    """Output head of the source weights: "lm" (vocab logits) or "value" (reward model / critic)."""
+    num_outputs: int = 1
+    """Outputs of a value head."""
 
 
 def resolve(init_from: str | None, model: ModelConfig, tokenizer_vocab_size: int) -> ModelSource:
@@ -43,6 +47,8 @@ def resolve(init_from: str | None, model: ModelConfig, tokenizer_vocab_size: int
             int(meta["vocab_size"]),
             lambda m: checkpoint.load_model(path, m),
             {"kind": "checkpoint", "path": str(path), "meta": {k: meta.get(k) for k in ("stage", "step", "lineage")}},
+            head=meta.get("head", "lm"),
+            num_outputs=int(meta.get("num_outputs", 1)),
         )
     if (path / "config.json").is_file():
         from align_pipeline.model import hf
@@ -50,3 +56,26 @@ def resolve(init_from: str | None, model: ModelConfig, tokenizer_vocab_size: int
         hf_model, vocab = hf.model_config_from_hf(path, base=model)
         return ModelSource(hf_model, vocab, lambda m: hf.load_hf_weights(path, m), {"kind": "hf", "path": str(path)})
     raise FileNotFoundError(f"init_from={init_from!r} is neither a checkpoint (meta.json) nor an HF model dir")
+
+
+def build_model(source: ModelSource, parallel, dist, head: str = "lm", num_outputs: int = 1):
+    """Build this rank's stage of the model described by ``source`` and fill it with the source weights.
+
+    ``head``: the head the caller wants. An LM source can become a value model (the transformer is loaded, the new
+    value head starts at random: reward model from SFT, critic from the reward model's value head keeps its head).
+    """
+    from align_pipeline.model.gpt import build_gpt
+    from align_pipeline.model.heads import attach_value_head
+
+    gpt = build_gpt(source.model, parallel, source.vocab_size, dist.pgs,
+                    pre_process=dist.is_first_stage, post_process=dist.is_last_stage)
+    source_head = source.head if source.load is not None else head
+    if source_head == "value":
+        attach_value_head(gpt, source.num_outputs)
+    if source.load is not None:
+        source.load(gpt)
+    if head == "value" and source_head == "lm":
+        attach_value_head(gpt, num_outputs)
+    elif head != source_head:
+        raise ValueError(f"cannot turn a {source_head!r}-head checkpoint into a {head!r}-head model")
+    return gpt

@@ -14,7 +14,6 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
@@ -25,9 +24,9 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from align_pipeline.config import ModelConfig, ParallelConfig, TrainingConfig
+from align_pipeline.config import ParallelConfig, TrainingConfig
 from align_pipeline.losses.base import LossOutput
-from align_pipeline.model.gpt import build_gpt
+from align_pipeline.model.init import ModelSource, build_model
 from align_pipeline.train.distributed import Dist
 
 COUNT_KEY = "_count"
@@ -71,6 +70,11 @@ class ArrayBatches:
         self._perms: dict[int, np.ndarray] = {}
 
     @property
+    def rows_per_sample(self) -> int:
+        """Sequences per sample (2 for preference pairs: chosen + rejected)."""
+        return 2 if "chosen_input_ids" in self.arrays else 1
+
+    @property
     def num_microbatches(self) -> int:
         return self.per_rank // self.micro_batch_size
 
@@ -93,8 +97,11 @@ class ArrayBatches:
         mine = idx[self.dist.dp_rank * self.per_rank : (self.dist.dp_rank + 1) * self.per_rank]
         return [self._take(mine[i : i + self.micro_batch_size]) for i in range(0, self.per_rank, self.micro_batch_size)]
 
-    def eval_microbatches(self, limit: int | None = None) -> list[dict[str, torch.Tensor]]:
-        """The first ``limit`` samples (all by default) in order, split over DP ranks; padded rows get no loss."""
+    def eval_microbatches(self, limit: int | None = None, with_index: bool = False) -> list[dict[str, torch.Tensor]]:
+        """The first ``limit`` samples (all by default) in order, split over DP ranks; padded rows get no loss.
+
+        ``with_index`` adds ``index`` [b]: each row's sample index (-1 for padding rows), for per-sample outputs.
+        """
         n = min(self.n, limit or self.n)
         chunk = self.dist.dp_size * self.micro_batch_size
         total = int(math.ceil(n / chunk) * chunk)
@@ -112,6 +119,9 @@ class ArrayBatches:
                 if k.endswith("loss_mask"):
                     mb[k] = v * keep.unsqueeze(-1).to(v.dtype)
             mb["valid"] = keep
+            if with_index:
+                idx_mb = torch.from_numpy(mine[i : i + self.micro_batch_size]).to(self.dist.device)
+                mb["index"] = torch.where(keep, idx_mb, torch.full_like(idx_mb, -1))
             out.append(mb)
         return out
 
@@ -126,23 +136,19 @@ def position_ids_like(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def build_model_and_optimizer(
-    model_cfg: ModelConfig,
+    source: ModelSource,
     parallel: ParallelConfig,
     training: TrainingConfig,
-    vocab_size: int,
     dist: Dist,
-    load_weights: Callable[[torch.nn.Module], Any] | None = None,
+    head: str = "lm",
+    num_outputs: int = 1,
 ):
     """GPT stage wrapped in Megatron DDP, its Megatron optimizer (AdamW; distributed when configured) and LR schedule.
 
-    ``load_weights(module)`` runs on the bare model before the optimizer is built, so fp32 main weights copy the loaded
-    values (bf16).
+    The source weights are loaded into the bare model before the optimizer is built, so fp32 main weights copy the
+    loaded values (bf16).
     """
-    gpt = build_gpt(
-        model_cfg, parallel, vocab_size, dist.pgs, pre_process=dist.is_first_stage, post_process=dist.is_last_stage
-    )
-    if load_weights is not None:
-        load_weights(gpt)
+    gpt = build_model(source, parallel, dist, head=head, num_outputs=num_outputs)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -208,13 +214,14 @@ def run_microbatches(
         output, loss_fn = forward_loss(module, batch)
         return output, functools.partial(_with_count, loss_fn)
 
+    _, rows = model_input_shape(microbatches[0])
     store = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(microbatches),
         model=[model],
         num_microbatches=len(microbatches),
         seq_length=seq_length,
-        micro_batch_size=microbatches[0][next(iter(microbatches[0]))].shape[0],
+        micro_batch_size=rows,
         forward_only=forward_only,
     )
     names = list(metric_names) + [COUNT_KEY]
@@ -227,6 +234,61 @@ def run_microbatches(
     count = sums[-1].item()
     out = {name: (sums[i].item() / count if count > 0 else float("nan")) for i, name in enumerate(metric_names)}
     out["count"] = count
+    return out
+
+
+def model_input_shape(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """(sequence length, rows) of what the model sees for a micro-batch: preference pairs are stacked chosen over
+    rejected, so a micro-batch of b pairs is 2b rows (the pipeline schedule sizes its p2p buffers from this)."""
+    if "chosen_input_ids" in batch:
+        b, s = batch["chosen_input_ids"].shape
+        return s, 2 * b
+    b, s = batch["input_ids"].shape
+    return s, b
+
+
+def collect_per_sample(model, microbatches: list[dict[str, torch.Tensor]], forward, dist: Dist) -> torch.Tensor | None:
+    """Forward-only pass returning per-sample values.
+
+    ``forward(module, batch)`` returns ``(output, per_sample_fn)`` where ``per_sample_fn(output)`` gives [b, k] on the
+    last pipeline stage. Returns the rows of all micro-batches concatenated ([sum b, k]) on the last stage, else None.
+    """
+
+    def forward_step(data_iterator, module):
+        batch = next(data_iterator)
+        output, per_sample_fn = forward(module, batch)
+
+        def loss_fn(output_tensor):
+            values = per_sample_fn(output_tensor).detach()
+            return output_tensor.sum() * 0.0, torch.tensor(1, dtype=torch.int, device=values.device), {"v": values}
+
+        return output, loss_fn
+
+    seq_length, rows = model_input_shape(microbatches[0])
+    store = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+        num_microbatches=len(microbatches), seq_length=seq_length, micro_batch_size=rows, forward_only=True,
+    )
+    if not dist.is_last_stage:
+        return None
+    return torch.cat([r["v"] for r in store])
+
+
+def gather_by_index(values: torch.Tensor | None, microbatches: list[dict[str, torch.Tensor]], n: int,
+                    dist: Dist) -> torch.Tensor:
+    """Scatter per-sample rows to their sample index and sum over all ranks: [n, k] on every rank.
+
+    Only tensor-parallel rank 0 of the last stage contributes (the values are replicated across TP).
+    """
+    index = torch.cat([mb["index"] for mb in microbatches])  # [rows]
+    k = values.shape[-1] if values is not None else 0
+    k_t = torch.tensor([k], device=dist.device)
+    tdist.all_reduce(k_t, op=tdist.ReduceOp.MAX)
+    out = torch.zeros(n, int(k_t.item()), dtype=torch.float64, device=dist.device)
+    if values is not None and dist.tp_rank == 0:
+        keep = index >= 0
+        out[index[keep]] = values[keep].double()
+    tdist.all_reduce(out)
     return out
 
 
@@ -294,3 +356,17 @@ def log(dist: Dist, msg: str) -> None:
     """Print on rank 0 only."""
     if dist.is_logging_rank:
         print(msg, file=sys.stdout, flush=True)
+
+
+def cli(job_cls, main, doc: str | None) -> None:
+    """``--config <json>`` -> ``main(from_dict(job_cls, json))``: the command line of every entry point."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from align_pipeline.config import from_dict
+
+    parser = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0] if doc else None)
+    parser.add_argument("--config", required=True, help=f"{job_cls.__name__} as JSON")
+    args = parser.parse_args()
+    main(from_dict(job_cls, json.loads(Path(args.config).read_text())))

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from align_pipeline.config import SFTJobConfig, to_dict
 from align_pipeline.data.formats import Artifact
-from align_pipeline.pipelines.common import data_lineage, finish_run_dir, launch_stage, run_dir_for, typed_params
+from align_pipeline.pipelines.common import run_stage, stage_job_paths, typed_params
 
 
 def train_sft(
@@ -20,30 +18,13 @@ def train_sft(
 ) -> tuple[str, dict[str, float]]:
     """Fine-tune the base model (random init, ``sft.init_from`` checkpoint or HF dir) on the tokenized SFT data."""
     model_cfg, parallel_cfg, launch_cfg, stage = typed_params(model, parallel, launch, sft, "sft")
-    lineage = data_lineage(sft_train=sft_train, sft_val=sft_val, tokenizer=tokenizer)
-    key = {"stage": "sft", **lineage, "model": to_dict(model_cfg), "parallel": to_dict(parallel_cfg),
-           "training": to_dict(stage.training), "init_from": stage.init_from}
-    run_dir = run_dir_for(stage, "sft", key)
+    paths = stage_job_paths(stage, "sft", tokenizer=tokenizer, train=sft_train, val=sft_val, parent=stage.init_from,
+                            config={"model": to_dict(model_cfg), "parallel": to_dict(parallel_cfg),
+                                    "training": to_dict(stage.training)})
     job = SFTJobConfig(
-        run_dir=str(run_dir.resolve()),
-        train_data=str(Path(sft_train.path).resolve()),
-        val_data=str(Path(sft_val.path).resolve()),
-        tokenizer=str(Path(tokenizer.path).resolve()),
-        model=model_cfg,
-        parallel=parallel_cfg,
-        training=stage.training,
-        init_from=stage.init_from,
-        lineage=lineage,
+        run_dir=paths.run_dir, train_data=paths.train, val_data=paths.val, tokenizer=paths.tokenizer,
+        model=model_cfg, parallel=parallel_cfg, training=stage.training, init_from=stage.init_from,
+        lineage=paths.lineage,
     )
-    result = launch_stage("align_pipeline.train.sft", to_dict(job), launch_cfg, run_dir, "sft")
-    metrics = {"val_loss": result["val_loss"], "train_loss": result["train_loss"], "steps": float(result["step"])}
-    first = result["history"][0]["loss"] if result["history"] else float("nan")
-    metrics["first_train_loss"] = first
-    model_dir = result["model_dir"]
-    if not stage.keep_run_dir:
-        # Move the model out of the run dir before dropping the rest (the catalog then moves it into its version).
-        keep = run_dir.parent / f".{run_dir.name}-model"
-        Path(model_dir).rename(keep)
-        model_dir = str(keep)
-        finish_run_dir(run_dir, stage)
-    return model_dir, metrics
+    return run_stage("align_pipeline.train.sft", job, launch_cfg, stage, "sft",
+                     metric_keys=("val_loss", "train_loss"))

@@ -1,0 +1,261 @@
+"""Batched autoregressive generation for a Megatron-core ``GPTModel`` (rollouts for RL, samples for evaluation).
+
+    gen = generate(model, [[tok.bos_id] + tok.encode("add: 23+45\\n"), ...], max_new_tokens=16,
+                   eos_id=tok.eos_id, pad_id=tok.pad_id, vocab_size=tok.vocab_size, greedy=True)
+    gen.tokens[0], gen.ended_with_eos[0], gen.logprobs[0]
+
+How it works:
+
+* **Left padding + explicit mask.** Prompts are left-padded to the longest one, so every row's last prompt token sits
+  in the same column and each step appends one column. Pad keys are masked with an explicit boolean attention mask
+  (Megatron convention: True = masked out), built here with the causal part included so the core attention needs
+  no mask type of its own (without padding no mask is passed at all). A pad *query* may attend to itself only, so no
+  softmax row is fully masked (that would give NaN, which then leaks through ``0 * NaN`` in later layers). Position
+  ids count real tokens only, which matters for learned absolute positions; Megatron applies RoPE by column index,
+  and a per-row constant shift does not change RoPE attention scores (they are relative), so left padding leaves
+  the result unchanged (tested: batched == one prompt at a time).
+* **KV cache.** Megatron's own :class:`StaticInferenceContext` passed as ``inference_context=`` to
+  ``GPTModel.forward``: the attention layers keep keys/values in ``[max_seq, b, groups, head_dim]`` buffers and slice
+  RoPE by ``sequence_len_offset``. One prefill forward over the padded prompts, then one token per forward.
+  ``use_cache=False`` recomputes the full sequence every step (the reference path for tests).
+* **Tensor parallelism.** Logits are gathered over TP (``runtime_gather_output=True``), so every TP rank holds the same
+  full-vocab logits and the same seeded generator; the chosen tokens are still broadcast from TP rank 0 so ranks can
+  never drift apart. Pipeline parallelism is not supported.
+* **Attention backends.** Needs a core attention that honours an explicit mask: ``sdpa`` (:class:`SDPAttention`) or
+  Megatron's ``local`` one. Transformer Engine ignores the mask under a causal mask type, so it is refused when the
+  prompts have different lengths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from align_pipeline.model.attention import SDPAttention
+
+
+@dataclass
+class Generation:
+    """What :func:`generate` produced, one entry per prompt (prompt order)."""
+
+    tokens: list[list[int]]
+    """New tokens only (the prompt is not repeated); cut after the first EOS, which is included."""
+    ended_with_eos: list[bool]
+    """True when the row emitted ``eos_id``; False when it stopped at ``max_new_tokens``."""
+    logprobs: list[list[float]]
+    """``log p(token | prefix)`` of each token in ``tokens`` under the model's plain distribution: float32
+    ``log_softmax`` of the logits over the tokenizer's ``vocab_size`` (padded rows dropped), *before* temperature,
+    top-k and top-p. This is the policy log-prob RL needs (the same number a training forward computes), not the
+    log-prob under the tempered/truncated distribution that was actually sampled from."""
+
+
+def generate(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int | None,
+    pad_id: int,
+    vocab_size: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    seed: int = 0,
+    use_cache: bool = True,
+    tp_group=None,
+) -> Generation:
+    """Continue each prompt by up to ``max_new_tokens`` tokens.
+
+    Args:
+        model: a ``GPTModel`` (PP=1), or a wrapper of one with ``.module`` (Megatron DDP / Float16Module). Put in eval
+            mode and run under ``torch.no_grad()``; its training mode is restored afterwards. With sequence
+            parallelism it is switched off for the call and back on after.
+        prompts: token ids per prompt (e.g. ``[tok.bos_id] + tok.encode(text)``), any lengths >= 1, same on every
+            TP rank.
+        max_new_tokens: cap on new tokens per prompt.
+        eos_id: a row stops after emitting it (None: never stop early). Generation ends when every row has stopped.
+        pad_id: the id used for left padding (never attended to, so any valid id works).
+        vocab_size: the tokenizer's vocabulary size; logits of the padded embedding rows beyond it are dropped, so
+            those ids are never sampled and do not enter ``logprobs``.
+        temperature: logits are divided by it before sampling; 0 means greedy.
+        top_k: sample among the k most likely tokens only (0 = off).
+        top_p: nucleus sampling: the smallest set of most likely tokens whose probability reaches ``top_p`` (1 = off).
+        greedy: argmax instead of sampling (ignores temperature/top-k/top-p).
+        seed: seeds the ``torch.Generator`` of the sampler; the same seed gives the same tokens. Give data-parallel
+            ranks different seeds if they should sample independently.
+        use_cache: KV cache (Megatron's static inference context); False recomputes the whole sequence every step.
+        tp_group: the tensor-parallel group (default: the model's ``pg_collection.tp``); tokens are broadcast from
+            its rank 0.
+
+    Returns:
+        :class:`Generation` (see its fields for the exact meaning of ``logprobs``).
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("need at least one prompt, and every prompt needs at least one token (e.g. BOS)")
+    if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"invalid sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}")
+    gpt = model
+    while hasattr(gpt, "module"):  # Megatron DDP / Float16Module -> GPTModel
+        gpt = gpt.module
+    if gpt.config.pipeline_model_parallel_size > 1:
+        raise NotImplementedError("generate() supports pipeline_model_parallel_size == 1 only")
+    if not (gpt.pre_process and gpt.post_process):
+        raise NotImplementedError("generate() needs the whole model on this rank (pre_process and post_process)")
+    if vocab_size > gpt.vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} exceeds the model's embedding rows {gpt.vocab_size}")
+    b = len(prompts)
+    prompt_len = max(len(p) for p in prompts)
+    padded = any(len(p) < prompt_len for p in prompts)
+    if padded:
+        _require_explicit_mask_support(gpt)
+    if tp_group is None:
+        tp_group = gpt.pg_collection.tp
+    broadcast_src = tdist.get_global_rank(tp_group, 0) if tp_group is not None and tp_group.size() > 1 else None
+    device = next(gpt.parameters()).device
+    total = prompt_len + max_new_tokens
+
+    tokens = torch.full((b, total), pad_id, dtype=torch.long, device=device)  # [b, T] left-padded prompt, then new
+    real = torch.zeros((b, total), dtype=torch.bool, device=device)  # [b, T] True = prompt or generated token
+    for i, p in enumerate(prompts):
+        tokens[i, prompt_len - len(p) : prompt_len] = torch.tensor(p, dtype=torch.long, device=device)
+        real[i, prompt_len - len(p) :] = True
+    positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # [b, T] position of each token within its own row
+    logprobs = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device)  # [b, N]
+    done = torch.zeros(b, dtype=torch.bool, device=device)  # [b] row has emitted EOS
+    context = StaticInferenceContext(max_batch_size=b, max_sequence_length=total) if use_cache else None
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    steps = 0
+    with _inference_mode(model, gpt):
+        for step in range(max_new_tokens):
+            end = prompt_len + step  # columns [0, end) are known; this step predicts column `end`
+            start = 0 if context is None or step == 0 else end - 1  # with the cache, only the new column is fed
+            # [b, 1, sq, end] True = masked out; without padding the core attention's own causal mask suffices
+            mask = _attention_mask(real[:, :end], end - start) if padded else None
+            logits = gpt(
+                tokens[:, start:end].contiguous(),  # [b, sq]
+                positions[:, start:end].contiguous(),  # [b, sq]
+                mask,
+                inference_context=context,
+                runtime_gather_output=True,
+            )  # [b, sq or 1, V_padded], full vocab on every TP rank
+            logits = logits[:, -1, :vocab_size].float()  # [b, V] next-token logits, padded vocab rows dropped
+            if context is not None:
+                context.sequence_len_offset += end - start
+                context.enable_decode_mode()
+
+            next_token = sample_next_token(
+                logits, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, generator=generator
+            )  # [b]
+            if broadcast_src is not None:  # TP ranks hold identical logits; make identical tokens a guarantee
+                tdist.broadcast(next_token, src=broadcast_src, group=tp_group)
+            next_token = torch.where(done, torch.full_like(next_token, pad_id), next_token)  # [b] finished rows idle
+            logprobs[:, step] = F.log_softmax(logits, dim=-1).gather(1, next_token.unsqueeze(1)).squeeze(1)  # [b]
+            tokens[:, end] = next_token
+            steps = step + 1
+            if eos_id is not None:
+                done |= next_token == eos_id
+            if bool(done.all()):
+                break
+
+    out = Generation(tokens=[], ended_with_eos=[], logprobs=[])
+    for row, row_lp in zip(tokens[:, prompt_len : prompt_len + steps].tolist(), logprobs[:, :steps].tolist()):
+        n = row.index(eos_id) + 1 if eos_id is not None and eos_id in row else len(row)  # cut after the first EOS
+        out.tokens.append(row[:n])
+        out.logprobs.append(row_lp[:n])
+        out.ended_with_eos.append(eos_id is not None and eos_id in row)
+    return out
+
+
+# Module attributes that switch sequence parallelism (the list Megatron's own inference code toggles).
+_SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
+@contextlib.contextmanager
+def _inference_mode(model, gpt):
+    """eval() + no_grad, sequence parallelism off (a 1-token decode step cannot be split over TP ranks); on exit the
+    training mode and every sequence-parallel switch get back their exact previous values."""
+    was_training = model.training
+    config_sp = gpt.config.sequence_parallel
+    saved = [(m, a, getattr(m, a)) for m in gpt.modules() for a in _SEQUENCE_PARALLEL_ATTRS if hasattr(m, a)]
+    model.eval()
+    gpt.config.sequence_parallel = False  # one config object shared by every layer
+    for m, a, _ in saved:
+        setattr(m, a, False)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, a, value in saved:
+            setattr(m, a, value)
+        gpt.config.sequence_parallel = config_sp
+        model.train(was_training)
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pick one token per row from ``logits`` [b, V] -> [b] (int64).
+
+    Greedy (or temperature 0): argmax. Otherwise logits / temperature, then top-k, then top-p filtering, then
+    inverse-CDF sampling with one uniform per row from ``generator`` (drawn whatever the filtering, so the random
+    stream depends only on the batch size and the number of steps).
+    """
+    if greedy or temperature == 0.0:
+        return logits.argmax(dim=-1)
+    b, v = logits.shape
+    u = torch.rand(b, generator=generator, device=logits.device, dtype=torch.float64)  # [b]
+    scaled = logits.float() / temperature  # [b, V]
+    if 0 < top_k < v:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]  # [b, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [b, V]
+        sorted_probs = sorted_logits.softmax(dim=-1)  # [b, V]
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [b, V] probability of the more likely tokens
+        drop_sorted = mass_before >= top_p  # [b, V] the most likely token is always kept (mass_before = 0)
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)  # [b, V] back to vocab order
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    probs = scaled.softmax(dim=-1).double()  # [b, V]
+    cdf = probs.cumsum(dim=-1)  # [b, V]
+    # First index whose cdf exceeds u * total: a token with nonzero probability (right=True skips zero-mass ones).
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # [b]
+    return torch.where(picked < v, picked, probs.argmax(dim=-1))  # [b] (u * total rounding up to total: fall back)
+
+
+def _attention_mask(real: torch.Tensor, sq: int) -> torch.Tensor:
+    """Boolean mask [b, 1, sq, sk] (True = masked out) for the last ``sq`` of the ``sk`` columns of ``real`` [b, sk].
+
+    A query attends causally to real keys, and always to itself (so a pad query's softmax row is never empty).
+    """
+    sk = real.shape[1]
+    q_pos = torch.arange(sk - sq, sk, device=real.device).unsqueeze(1)  # [sq, 1]
+    k_pos = torch.arange(sk, device=real.device).unsqueeze(0)  # [1, sk]
+    keep = (k_pos <= q_pos) & (real[:, None, None, :] | (k_pos == q_pos))  # [b, 1, sq, sk]
+    return ~keep
+
+
+def _require_explicit_mask_support(gpt) -> None:
+    """Left padding needs a core attention that applies our explicit mask (SDPA or Megatron's local one)."""
+    for layer in gpt.decoder.layers:
+        core = layer.self_attention.core_attention
+        if not isinstance(core, (SDPAttention, DotProductAttention)):
+            raise NotImplementedError(
+                f"generate() with prompts of different lengths needs attention_backend 'sdpa' or 'local'; "
+                f"{type(core).__name__} ignores the explicit padding mask under a causal mask type"
+            )

@@ -1,0 +1,415 @@
+"""Hugging Face Llama / Qwen2 model directories -> our Megatron-core GPT (architecture and weights, any TP/PP).
+
+:func:`model_config_from_hf` converts ``config.json`` to a :class:`~align_pipeline.config.ModelConfig`;
+:func:`load_hf_weights` fills one built pipeline stage (``build_gpt``) from ``*.safetensors`` (single or sharded with
+``model.safetensors.index.json``) or ``pytorch_model*.bin``.
+
+Name mapping (HF ``model.`` prefix optional; ``i`` = global layer index, Megatron names use the stage-local index):
+
+=====================================================  ==========================================================
+Megatron parameter                                     HF tensor(s)
+=====================================================  ==========================================================
+``embedding.word_embeddings.weight``                   ``model.embed_tokens.weight`` (rows zero-padded)
+``decoder.layers.i.input_layernorm.weight`` [1]_       ``model.layers.i.input_layernorm.weight``
+``decoder.layers.i.self_attention.linear_qkv.weight``  ``q_proj``, ``k_proj``, ``v_proj`` ``.weight`` fused per group
+``decoder.layers.i.self_attention.linear_qkv.bias``    ``q_proj``, ``k_proj``, ``v_proj`` ``.bias`` (Qwen2)
+``decoder.layers.i.self_attention.linear_proj.weight`` ``model.layers.i.self_attn.o_proj.weight``
+``decoder.layers.i.pre_mlp_layernorm.weight`` [1]_     ``model.layers.i.post_attention_layernorm.weight``
+``decoder.layers.i.mlp.linear_fc1.weight``             ``[gate_proj; up_proj]`` ``.weight``
+``decoder.layers.i.mlp.linear_fc2.weight``             ``model.layers.i.mlp.down_proj.weight``
+``decoder.final_layernorm.weight``                     ``model.norm.weight``
+``output_layer.weight``                                ``lm_head.weight`` (tied: ``model.embed_tokens.weight``)
+=====================================================  ==========================================================
+
+.. [1] With Transformer Engine's spec the norms are fused into the next linear:
+   ``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``.
+
+Megatron's fused QKV rows are grouped by key/value head: for each of the ``ng`` groups, the ``np/ng`` query heads,
+then its key head, then its value head (``head_dim`` rows each). ``linear_fc1`` rows are ``[gate; up]`` *per TP rank*.
+
+Tensor parallelism: the full tensor is built, then this rank's slice is taken: column-parallel (QKV by whole groups,
+fc1 gate and up sliced separately then concatenated, vocab rows of the padded embedding / output layer) along dim 0,
+row-parallel (``linear_proj``, ``linear_fc2``) along dim 1; norms and row-parallel biases are replicated.
+Pipeline parallelism: each local layer's global index is its ``layer_number - 1`` (Megatron adds the stage offset of
+``get_transformer_layer_offset``); only the stage's own tensors are read (embedding on the first stage, final norm and
+output layer on the last).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from align_pipeline.config import ModelConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+class HFConversionError(ValueError):
+    """The HF model cannot be represented by our GPT, or its weights do not match the architecture."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# config.json -> ModelConfig
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found (not a Hugging Face model directory)")
+    return json.loads(config_path.read_text())
+
+
+def _rope_theta(cfg: dict[str, Any], where: Path) -> float:
+    """RoPE theta from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x); plain RoPE only."""
+    rope = cfg.get("rope_parameters") or {}
+    if isinstance(rope.get("full_attention"), dict):  # per-layer-type form
+        rope = rope["full_attention"]
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise HFConversionError(
+            f"{where}: RoPE scaling {rope_type!r} ({rope or scaling}) is not supported; only plain RoPE "
+            "(rope_type 'default') can be reproduced by our GPT"
+        )
+    partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise HFConversionError(f"{where}: partial_rotary_factor={partial} is not supported (only 1.0)")
+    return float(rope.get("rope_theta", cfg.get("rope_theta")) or 10000.0)
+
+
+def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConfig, int]:
+    """Our :class:`ModelConfig` for the HF Llama/Qwen2 model in ``path``, and its vocabulary size.
+
+    Architecture comes from ``config.json``; run-time choices come from ``base``: ``seq_length`` (the training length
+    is ours to choose), ``attention_backend``, ``make_vocab_size_divisible_by`` and the dropouts.
+
+    Raises:
+        HFConversionError: a model type other than llama/qwen2, or a feature our GPT cannot reproduce (RoPE scaling,
+            sliding-window attention, head_dim != hidden/heads, non-SiLU activation, ...).
+    """
+    path = Path(path)
+    cfg = read_hf_config(path)
+    where = path / "config.json"
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HFConversionError(
+            f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise HFConversionError(f"{where}: required field {key!r} is missing")
+        return cfg[key]
+
+    hidden, heads, layers = int(need("hidden_size")), int(need("num_attention_heads")), int(need("num_hidden_layers"))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise HFConversionError(
+            f"{where}: head_dim={head_dim} with {heads} heads != hidden_size={hidden}; our GPT needs "
+            "head_dim = hidden_size / num_attention_heads"
+        )
+    if hidden % heads or heads % kv_heads:
+        raise HFConversionError(f"{where}: hidden_size={hidden}, num_attention_heads={heads}, "
+                                f"num_key_value_heads={kv_heads} are inconsistent")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise HFConversionError(f"{where}: hidden_act={act!r} is not supported (Llama/Qwen2 SwiGLU uses 'silu')")
+    rotary_base = _rope_theta(cfg, where)
+
+    if model_type == "qwen2":
+        sliding = cfg.get("use_sliding_window", False) or "sliding_attention" in (cfg.get("layer_types") or [])
+        if sliding:
+            raise HFConversionError(f"{where}: sliding-window attention (use_sliding_window / layer_types) is not "
+                                    "supported")
+        add_qkv_bias, add_bias_linear = True, False
+    else:
+        attention_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
+        if attention_bias != mlp_bias:
+            # Llama's attention_bias puts biases on q, k, v *and* o; our GPT has either QKV-only biases or all biases.
+            raise HFConversionError(
+                f"{where}: attention_bias={attention_bias} with mlp_bias={mlp_bias} is not supported (our GPT has "
+                "biases on all linear layers or on none)"
+            )
+        add_qkv_bias, add_bias_linear = False, attention_bias
+
+    vocab = int(need("vocab_size"))
+    model = ModelConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        ffn_hidden_size=int(need("intermediate_size")),
+        seq_length=base.seq_length,
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=base.make_vocab_size_divisible_by,
+        position_embedding_type="rope",
+        rotary_base=rotary_base,
+        normalization="RMSNorm",
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        activation="swiglu",
+        add_bias_linear=add_bias_linear,
+        add_qkv_bias=add_qkv_bias,
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        init_method_std=float(cfg.get("initializer_range", base.init_method_std)),
+        attention_dropout=base.attention_dropout,
+        hidden_dropout=base.hidden_dropout,
+        attention_backend=base.attention_backend,
+    )
+    return model, vocab
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading the weight files
+
+
+class HFTensors:
+    """Lazy access to the tensors of an HF model directory, by name (``model.`` prefix stripped)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._where: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, stored name)
+        self._open: dict[Path, Any] = {}
+        files, weight_map = self._files()
+        for file in files:
+            for stored in self._keys_of(file):
+                self._add(stored, file)
+        stored_names = {s for _, s in self._where.values()}
+        listed_not_found = sorted(set(weight_map) - stored_names)
+        if listed_not_found:
+            raise FileNotFoundError(f"{self.path}: the index lists tensors no shard holds: {listed_not_found[:10]}")
+
+    def _files(self) -> tuple[list[Path], dict[str, Path]]:
+        p = self.path
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = p / index_name
+            if index.is_file():
+                weight_map = {k: p / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+                files = sorted(set(weight_map.values()))
+                missing = [f.name for f in files if not f.is_file()]
+                if missing:
+                    raise FileNotFoundError(f"{index}: shard files missing: {missing}")
+                return files, weight_map
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            if (p / name).is_file():
+                return [p / name], {}
+        found = sorted(p.glob("*.safetensors"))
+        if found:
+            return found, {}
+        raise FileNotFoundError(f"{p}: no model.safetensors(.index.json) or pytorch_model.bin(.index.json) found")
+
+    def _keys_of(self, file: Path) -> Iterable[str]:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            handle = safe_open(str(file), framework="pt")
+            self._open[file] = handle
+            return list(handle.keys())
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) torch.save format cannot be memory-mapped
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        self._open[file] = state
+        return list(state.keys())
+
+    def _add(self, stored: str, file: Path) -> None:
+        name = stored.removeprefix("model.")
+        if name in self._where:
+            raise HFConversionError(f"{self.path}: tensor {name!r} stored twice ({self._where[name][1]!r}, {stored!r})")
+        self._where[name] = (file, stored)
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def stored_name(self, name: str) -> str:
+        return self._where[name][1]
+
+    def get(self, name: str) -> torch.Tensor:
+        file, stored = self._where[name]
+        handle = self._open[file]
+        return handle.get_tensor(stored) if file.suffix == ".safetensors" else handle[stored]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Weights -> a built GPT stage
+
+
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _tp_rank_size(gpt) -> tuple[int, int]:
+    pgs = getattr(gpt, "pg_collection", None)
+    if pgs is not None and getattr(pgs, "tp", None) is not None:
+        return pgs.tp.rank(), pgs.tp.size()
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def expected_hf_keys(config, tied: bool) -> tuple[set[str], set[str]]:
+    """(required, optional) canonical HF names for a Megatron ``TransformerConfig`` (whole model, every stage)."""
+    required = {"embed_tokens.weight", "norm.weight"}
+    optional = set()
+    (optional if tied else required).add("lm_head.weight")
+    for i in range(config.num_layers):
+        pre = f"layers.{i}."
+        required |= {pre + n for n in (
+            "input_layernorm.weight", "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+        if config.add_qkv_bias or config.add_bias_linear:
+            required |= {pre + f"self_attn.{p}_proj.bias" for p in "qkv"}
+        if config.add_bias_linear:
+            required |= {pre + n for n in ("self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias",
+                                           "mlp.down_proj.bias")}
+    return required, optional
+
+
+def _rows(t: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
+    return t.chunk(size, dim=dim)[rank] if size > 1 else t
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] > rows:
+        raise HFConversionError(f"vocabulary of {t.shape[0]} rows does not fit the model's {rows} embedding rows")
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
+    """Copy the HF weights in ``path`` into ``module`` (a GPT stage from ``build_gpt``, possibly wrapped), in place.
+
+    Every parameter of the stage gets a value, and every tensor in the files belongs to the architecture (rotary
+    ``inv_freq`` buffers excepted); otherwise :class:`HFConversionError` names the offending keys. Each rank reads
+    only the tensors of its own stage and keeps its own TP slice.
+
+    Returns:
+        {"loaded": number of parameters filled, "hf_tensors_read": number of HF tensors read on this rank}.
+    """
+    gpt = _unwrap(module)
+    config = gpt.config
+    tied = bool(getattr(gpt, "share_embeddings_and_output_weights", False))
+    tp_rank, tp_size = _tp_rank_size(gpt)
+    hf = HFTensors(path)
+
+    present = hf.keys()
+    required, optional = expected_hf_keys(config, tied)
+    missing = sorted(required - present)
+    unexpected = sorted(k for k in present - required - optional if not _IGNORED.search(k))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing HF tensors: {missing[:20]}{' ...' if len(missing) > 20 else ''}")
+        if unexpected:
+            shown = [hf.stored_name(k) for k in unexpected[:20]]
+            parts.append(f"unexpected HF tensors (not part of the architecture): {shown}"
+                         f"{' ...' if len(unexpected) > 20 else ''}")
+        raise HFConversionError(f"{path}: weights do not match the model config: " + "; ".join(parts))
+
+    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    head_dim = config.kv_channels or config.hidden_size // heads
+    hidden, ffn = config.hidden_size, config.ffn_hidden_size
+    if groups % tp_size:
+        raise HFConversionError(f"num_query_groups={groups} is not divisible by TP={tp_size}")
+    read: set[str] = set()
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = hf.get(name)
+        if tuple(t.shape) != shape:
+            raise HFConversionError(f"{path}: {hf.stored_name(name)} has shape {tuple(t.shape)}, expected {shape}")
+        read.add(name)
+        return t
+
+    def qkv(pre: str, suffix: str) -> torch.Tensor:
+        rest = (hidden,) if suffix == "weight" else ()
+        q = get(f"{pre}self_attn.q_proj.{suffix}", (heads * head_dim, *rest))
+        k = get(f"{pre}self_attn.k_proj.{suffix}", (groups * head_dim, *rest))
+        v = get(f"{pre}self_attn.v_proj.{suffix}", (groups * head_dim, *rest))
+        fused = torch.cat([q.reshape(groups, heads // groups * head_dim, *rest),
+                           k.reshape(groups, head_dim, *rest), v.reshape(groups, head_dim, *rest)], dim=1)
+        return _rows(fused, tp_rank, tp_size).reshape(-1, *rest)  # whole groups per rank
+
+    def fc1(pre: str, suffix: str) -> torch.Tensor:
+        rest = (hidden,) if suffix == "weight" else ()
+        gate = get(f"{pre}mlp.gate_proj.{suffix}", (ffn, *rest))
+        up = get(f"{pre}mlp.up_proj.{suffix}", (ffn, *rest))
+        return torch.cat([_rows(gate, tp_rank, tp_size), _rows(up, tp_rank, tp_size)])
+
+    def vocab_rows(name: str, local_rows: int) -> torch.Tensor:
+        t = hf.get(name)
+        if t.dim() != 2 or t.shape[1] != hidden:
+            raise HFConversionError(f"{path}: {hf.stored_name(name)} has shape {tuple(t.shape)}, expected [vocab, "
+                                    f"{hidden}]")
+        read.add(name)
+        return _rows(_pad_rows(t, local_rows * tp_size), tp_rank, tp_size)
+
+    def layer_source(pre: str, rest: str) -> Callable[[], torch.Tensor] | None:
+        norm = (hidden,)
+        return {
+            "input_layernorm.weight": lambda: get(pre + "input_layernorm.weight", norm),
+            "self_attention.linear_qkv.layer_norm_weight": lambda: get(pre + "input_layernorm.weight", norm),
+            "pre_mlp_layernorm.weight": lambda: get(pre + "post_attention_layernorm.weight", norm),
+            "mlp.linear_fc1.layer_norm_weight": lambda: get(pre + "post_attention_layernorm.weight", norm),
+            "self_attention.linear_qkv.weight": lambda: qkv(pre, "weight"),
+            "self_attention.linear_qkv.bias": lambda: qkv(pre, "bias"),
+            "self_attention.linear_proj.weight": lambda: _rows(
+                get(pre + "self_attn.o_proj.weight", (hidden, heads * head_dim)), tp_rank, tp_size, dim=1),
+            "self_attention.linear_proj.bias": lambda: get(pre + "self_attn.o_proj.bias", (hidden,)),
+            "mlp.linear_fc1.weight": lambda: fc1(pre, "weight"),
+            "mlp.linear_fc1.bias": lambda: fc1(pre, "bias"),
+            "mlp.linear_fc2.weight": lambda: _rows(
+                get(pre + "mlp.down_proj.weight", (hidden, ffn)), tp_rank, tp_size, dim=1),
+            "mlp.linear_fc2.bias": lambda: get(pre + "mlp.down_proj.bias", (hidden,)),
+        }.get(rest)
+
+    # Every parameter (including tied/shared ones appearing once) must have a source.
+    plan: list[tuple[str, torch.nn.Parameter, Callable[[], torch.Tensor]]] = []
+    unmapped = []
+    for name, param in gpt.named_parameters():
+        source = None
+        if name == "embedding.word_embeddings.weight":
+            source = (lambda p=param: vocab_rows("embed_tokens.weight", p.shape[0]))
+        elif name == "decoder.final_layernorm.weight":
+            source = (lambda: get("norm.weight", (hidden,)))
+        elif name == "output_layer.weight":
+            # Tied embeddings with PP > 1: the last stage holds its own copy of the embedding.
+            key = "embed_tokens.weight" if tied else "lm_head.weight"
+            source = (lambda p=param, key=key: vocab_rows(key, p.shape[0]))
+        elif m := _LAYER.match(name):
+            global_index = gpt.decoder.layers[int(m.group(1))].layer_number - 1  # includes the PP stage offset
+            source = layer_source(f"layers.{global_index}.", m.group(2))
+        if source is None:
+            unmapped.append(name)
+        else:
+            plan.append((name, param, source))
+    if unmapped:
+        raise HFConversionError(f"no HF tensor maps to these Megatron parameters: {unmapped}")
+
+    with torch.no_grad():
+        for name, param, source in plan:
+            value = source()
+            if tuple(value.shape) != tuple(param.shape):
+                raise HFConversionError(f"{name}: converted shape {tuple(value.shape)} != parameter shape "
+                                        f"{tuple(param.shape)} (TP rank {tp_rank}/{tp_size})")
+            param.copy_(value.to(dtype=param.dtype))
+
+    # An explicit lm_head next to tied embeddings must be the embedding itself, or logits would silently change.
+    if tied and "lm_head.weight" in present and "embed_tokens.weight" in read and not torch.equal(
+        hf.get("lm_head.weight"), hf.get("embed_tokens.weight")
+    ):
+        raise HFConversionError(f"{path}: tie_word_embeddings=true but lm_head.weight differs from embed_tokens")
+    return {"loaded": len(plan), "hf_tensors_read": len(read)}

@@ -1,0 +1,45 @@
+"""Evaluation node: launches the evaluation job over every policy checkpoint it receives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from align_pipeline.config import (
+    EvaluationJobConfig,
+    EvaluationParams,
+    LaunchConfig,
+    ParallelConfig,
+    config_hash,
+    from_dict,
+    to_dict,
+)
+from align_pipeline.data.formats import Artifact
+from align_pipeline.launch import run_torchrun
+
+
+def evaluate_policies(tokenizer: Artifact, prompts_val: Artifact, pref_val: Artifact, sft_val: Artifact,
+                      reward_model: str, parallel: dict, launch: dict, evaluation: dict,
+                      **policies: str) -> tuple[str, dict[str, float]]:
+    """``policies``: catalog name (``<stage>_policy``) -> checkpoint path. Returns (report dir, flat metrics)."""
+    params = from_dict(EvaluationParams, evaluation, "params:evaluation")
+    named = {name.removesuffix("_policy"): path for name, path in policies.items()}
+    key = config_hash({"policies": named, "rm": reward_model, "prompts": prompts_val.fingerprint,
+                       "params": to_dict(params)})
+    run_dir = (Path(params.runs_dir) / "evaluation" / key).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job = EvaluationJobConfig(
+        run_dir=str(run_dir), output_dir=str(run_dir / "eval_report"), tokenizer=str(Path(tokenizer.path).resolve()),
+        prompts=str(Path(prompts_val.path).resolve()), policies=named, reference=named.get("sft"),
+        reward_model=reward_model, preference_data=str(Path(pref_val.path).resolve()),
+        sft_data=str(Path(sft_val.path).resolve()), checker=params.checker, generation=params.generation,
+        greedy=params.greedy, parallel=from_dict(ParallelConfig, parallel, "params:parallel"),
+        micro_batch_size=params.micro_batch_size,
+        lineage={"policies": named, "reward_model": reward_model, "prompts": prompts_val.fingerprint},
+    )
+    result = run_torchrun("align_pipeline.train.evaluate", to_dict(job), from_dict(LaunchConfig, launch), run_dir,
+                          name="evaluation")
+    report = result["report"]
+    metrics = {f"{name}.{k}": v for name, m in report["policies"].items() for k, v in m.items()
+               if isinstance(v, float)}
+    metrics.update({f"reward_model.{k}": float(v) for k, v in report.get("reward_model", {}).items()})
+    return result["output_dir"], metrics

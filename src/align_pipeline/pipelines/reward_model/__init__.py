@@ -1,0 +1,3 @@
+"""Reward-model stage."""
+
+from .pipeline import create_pipeline  # noqa: F401

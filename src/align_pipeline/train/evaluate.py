@@ -1,0 +1,236 @@
+"""Evaluation entry point: every policy vs the SFT reference on held-out prompts.
+
+    torchrun --nproc_per_node 1 -m align_pipeline.train.evaluate --config run/config.json
+
+Per policy: sample responses (KV-cached generation) and report verifiable accuracy (the configured checker), greedy
+accuracy, reward-model score, KL to the reference (mean over generated tokens of log pi - log pi_ref, the k1
+estimator under the policy's samples), response length and EOS rate, plus validation perplexity on the SFT data. Also
+the reward model's accuracy on held-out preference pairs. Rank 0 writes ``report.json`` and PNG plots to
+``output_dir`` and logs them (and the numbers) to the MLflow run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+
+from align_pipeline.config import EvaluationJobConfig, ModelConfig
+from align_pipeline.data.formats import load_jsonl
+from align_pipeline.data.tokenizer import load_tokenizer
+from align_pipeline.model import init
+from align_pipeline.model.generate import generate
+from align_pipeline.model.logprobs import token_nll
+from align_pipeline.tracking import RunLogger
+from align_pipeline.train import loop
+from align_pipeline.train.distributed import init_distributed, shutdown
+from align_pipeline.train.reward_model import pair_batch, sequence_rewards
+
+
+def load_checker(spec: str):
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def to_rows(prompt_ids: list[list[int]], responses: list[list[int]], seq_length: int, pad_id: int) -> dict:
+    """prompt + response token lists -> right-padded input_ids/labels/loss_mask [n, s] (loss on response tokens)."""
+    n = len(prompt_ids)
+    ids = np.full((n, seq_length), pad_id, dtype=np.int64)
+    mask = np.zeros((n, seq_length), dtype=np.float32)
+    for i, (p, r) in enumerate(zip(prompt_ids, responses)):
+        seq = (p + r)[:seq_length]
+        ids[i, : len(seq)] = seq
+        mask[i, len(p) - 1 : len(seq) - 1] = 1.0  # label t = token t+1 is a response token
+    labels = np.full_like(ids, pad_id)
+    labels[:, :-1] = ids[:, 1:]
+    return {"input_ids": ids, "labels": labels, "loss_mask": mask}
+
+
+def per_sample(model, rows: dict, fn, mb: int, dist) -> np.ndarray:
+    """Run ``fn(model, batch) -> (output, per_sample_fn)`` over ``rows`` (every rank holds all rows; DP splits)."""
+    n = len(next(iter(rows.values())))
+    batches = loop.ArrayBatches(rows, mb * dist.dp_size, mb, dist, seed=0, shuffle=False).eval_microbatches(
+        with_index=True)
+    with torch.no_grad():
+        values = loop.collect_per_sample(model, batches, fn, dist)
+    return loop.gather_by_index(values, batches, n, dist).cpu().numpy()
+
+
+def nll_fn(vocab_size: int, tp_rank: int):
+    def fn(module, batch):
+        logits = module(batch["input_ids"], loop.position_ids_like(batch["input_ids"]), None)
+
+        def stats(logits):
+            nll = token_nll(logits, batch["labels"], vocab_size, tp_rank) * batch["loss_mask"]  # [b, s]
+            return torch.stack([nll.sum(-1), batch["loss_mask"].sum(-1)], dim=-1)  # [b, 2]
+
+        return logits, stats
+
+    return fn
+
+
+def reward_fn(pooling: str):
+    def fn(module, batch):
+        ids = batch["input_ids"] if "input_ids" in batch else pair_batch(batch)[0]
+        mask = batch["loss_mask"] if "loss_mask" in batch else pair_batch(batch)[2]
+        values = module(ids, loop.position_ids_like(ids), None)
+
+        def stats(values):
+            r = sequence_rewards(values, mask, pooling)  # [rows]
+            return torch.stack(r.chunk(2), dim=-1) if "chosen_input_ids" in batch else r.unsqueeze(-1)
+
+        return values, stats
+
+    return fn
+
+
+def sample(model, prompts: list[list[int]], job: EvaluationJobConfig, tok, vocab: int, dist, greedy: bool,
+           seq_length: int):
+    g = job.generation
+    max_new = min(g.max_new_tokens, seq_length - max(len(p) for p in prompts))  # stay within the trained length
+    mine = list(range(dist.dp_rank, len(prompts), dist.dp_size))  # DP ranks split the prompts
+    out_tokens, out_logps, out_eos = [], [], []
+    for start in range(0, len(mine), g.batch_size):
+        idx = mine[start : start + g.batch_size]
+        gen = generate(model, [prompts[i] for i in idx], max_new_tokens=max_new, eos_id=tok.eos_id,
+                       pad_id=tok.pad_id, vocab_size=vocab, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                       greedy=greedy, seed=g.seed + 1000 * dist.dp_rank + start, tp_group=dist.pgs.tp)
+        out_tokens += gen.tokens
+        out_logps += gen.logprobs
+        out_eos += gen.ended_with_eos
+    gathered = [None] * dist.world_size
+    tdist.all_gather_object(gathered, (mine, out_tokens, out_logps, out_eos))
+    tokens, logps, eos = [None] * len(prompts), [None] * len(prompts), [None] * len(prompts)
+    for idx, t, lp, e in gathered:
+        for j, i in enumerate(idx):
+            tokens[i], logps[i], eos[i] = t[j], lp[j], e[j]
+    return tokens, logps, eos
+
+
+def main(job: EvaluationJobConfig) -> dict:
+    dist = init_distributed(job.parallel, seed=job.generation.seed)
+    logger = RunLogger(rank=dist.rank)
+    tok = load_tokenizer(job.tokenizer)
+    check = load_checker(job.checker)
+    records = load_jsonl(job.prompts)
+    g = job.generation
+    prompts = [r["prompt_ids"] for r in records for _ in range(g.samples_per_prompt)]
+    texts = [(r["prompt"], r.get("answer")) for r in records for _ in range(g.samples_per_prompt)]
+    mb = job.micro_batch_size
+
+    ref_path = job.reference or job.policies.get("sft") or next(iter(job.policies.values()))
+    ref_src = init.resolve(ref_path, ModelConfig(attention_backend="sdpa"), 0)
+    seq_length = ref_src.model.seq_length
+    reference = init.build_model(ref_src, job.parallel, dist).eval()
+    rm = rm_pooling = None
+    if job.reward_model:
+        rm_src = init.resolve(job.reward_model, ModelConfig(attention_backend="sdpa"), 0)
+        rm = init.build_model(rm_src, job.parallel, dist, head="value").eval()
+        from align_pipeline.model.checkpoint import read_meta
+
+        rm_pooling = read_meta(job.reward_model).get("reward", {}).get("pooling", "last")
+
+    report: dict = {"policies": {}, "settings": {"prompts": len(records), **vars(g)}}
+    for name, path in job.policies.items():
+        src = init.resolve(path, ModelConfig(attention_backend="sdpa"), 0)
+        policy = reference if path == ref_path else init.build_model(src, job.parallel, dist).eval()
+        tokens, logps, eos = sample(policy, prompts, job, tok, src.vocab_size, dist, greedy=False,
+                                    seq_length=seq_length)
+        responses = [tok.decode(t) for t in tokens]
+        correct = [check(p, r, a) for (p, a), r in zip(texts, responses)]
+        rows = to_rows(prompts, tokens, seq_length, tok.pad_id)
+        ref_stats = per_sample(reference, rows, nll_fn(ref_src.vocab_size, dist.tp_rank), mb, dist)  # [n, 2]
+        n_tok = np.array([len(t) for t in tokens], dtype=np.float64)
+        policy_logp = np.array([sum(lp) for lp in logps])
+        kl = (policy_logp + ref_stats[:, 0]).sum() / max(n_tok.sum(), 1)  # sum(log pi - log pi_ref) / tokens
+        m = {
+            "accuracy": float(np.mean(correct)),
+            "kl_to_reference": float(kl),
+            "response_length": float(n_tok.mean()),
+            "ended_with_eos": float(np.mean(eos)),
+        }
+        for kind in sorted({_kind(p) for p, _ in texts}):
+            sel = [c for (p, _), c in zip(texts, correct) if _kind(p) == kind]
+            m[f"accuracy_{kind}"] = float(np.mean(sel))
+        if job.greedy:
+            gt, _, _ = sample(policy, [r["prompt_ids"] for r in records], job, tok, src.vocab_size, dist, greedy=True,
+                              seq_length=seq_length)
+            m["greedy_accuracy"] = float(np.mean([check(r["prompt"], tok.decode(t), r.get("answer"))
+                                                  for r, t in zip(records, gt)]))
+        if rm is not None:
+            m["reward_model_score"] = float(per_sample(rm, rows, reward_fn(rm_pooling), mb, dist)[:, 0].mean())
+        if job.sft_data:
+            val = per_sample(policy, dict(np.load(job.sft_data)), nll_fn(src.vocab_size, dist.tp_rank), mb, dist)
+            m["sft_val_perplexity"] = float(math.exp(val[:, 0].sum() / val[:, 1].sum()))
+        m["examples"] = [{"prompt": p, "response": r, "correct": c}
+                         for (p, _), r, c in list(zip(texts, responses, correct))[:8]]
+        report["policies"][name] = m
+        loop.log(dist, f"[evaluation] {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items()
+                                                             if isinstance(v, float)))
+        if policy is not reference:
+            del policy
+    if rm is not None and job.preference_data:
+        pairs = dict(np.load(job.preference_data))
+        r = per_sample(rm, pairs, reward_fn(rm_pooling), mb, dist)  # [n, 2]
+        report["reward_model"] = {"accuracy": float(np.mean(r[:, 0] > r[:, 1])),
+                                  "mean_margin": float(np.mean(r[:, 0] - r[:, 1])), "pairs": int(len(r))}
+        loop.log(dist, f"[evaluation] reward model accuracy on held-out pairs: {report['reward_model']['accuracy']:.4f}")
+
+    if dist.is_logging_rank:
+        out = Path(job.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        plots = write_plots(report, out)
+        (out / "meta.json").write_text(json.dumps({"stage": "evaluation", "lineage": job.lineage,
+                                                   "policies": job.policies}, indent=2))
+        logger.log_metrics(flat_metrics(report), step=0)
+        for f in [out / "report.json", *plots]:
+            logger.log_artifact(f, "eval_report")
+        (Path(job.run_dir) / "result.json").write_text(json.dumps({"output_dir": str(out), "report": report}))
+    logger.close()
+    shutdown()
+    return report
+
+
+def _kind(prompt: str) -> str:
+    return prompt.split(":", 1)[0] if ":" in prompt else "all"
+
+
+def flat_metrics(report: dict) -> dict[str, float]:
+    flat = {f"{name}/{k}": v for name, m in report["policies"].items() for k, v in m.items() if isinstance(v, float)}
+    flat.update({f"reward_model/{k}": float(v) for k, v in report.get("reward_model", {}).items()})
+    return flat
+
+
+def write_plots(report: dict, out: Path) -> list[Path]:
+    """One bar chart per metric: policy vs metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["policies"])
+    keys = [k for k, v in report["policies"][names[0]].items() if isinstance(v, float)]
+    paths = []
+    for key in keys:
+        fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(names), 3))
+        values = [report["policies"][n].get(key, float("nan")) for n in names]
+        ax.bar(names, values, color="tab:blue")
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(key)
+        fig.tight_layout()
+        path = out / f"{key}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    loop.cli(EvaluationJobConfig, main, __doc__)

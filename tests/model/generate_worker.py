@@ -1,0 +1,113 @@
+"""torchrun worker for tests: load a model checkpoint at some TP and run :func:`generate` on a list of cases.
+
+    {"run_dir": ..., "checkpoint": ..., "parallel": {...}, "vocab_size": V, "prompts": [[...], ...],
+     "variants": [{"prefix": "sp_", "parallel": {...}, "model": {...}, "cases": [name, ...] | null}, ...],
+     "cases": [{"name": str, "kwargs": {...generate kwargs...}, "rows": [i, ...] | null, "one_by_one": bool,
+                "eos_from": [case_name, row, index] | null, "score": bool}, ...]}
+      ->  run_dir/result.json {case_name: {"tokens", "ended_with_eos", "logprobs", "seconds"}, ...,
+                               "<prefix>switches_restored": bool}
+
+``rows`` picks prompts (default all); ``one_by_one`` calls generate once per prompt and concatenates the results;
+``eos_from`` sets ``eos_id`` to a token an earlier case generated; ``score`` adds ``scored_logprobs``, the generated
+tokens' log-probs from a plain training-style forward (one unpadded row, no mask, no cache). Each of ``variants``
+runs its cases (default all) again as ``<prefix><name>`` on a model built with those ParallelConfig / ModelConfig
+overrides (e.g. sequence parallelism, Megatron's local attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from align_pipeline.config import ModelConfig, ParallelConfig, from_dict
+from align_pipeline.model import init
+from align_pipeline.model.generate import generate
+from align_pipeline.model.gpt import build_gpt
+from align_pipeline.train import loop
+from align_pipeline.train.distributed import init_distributed, shutdown
+
+
+def run_cases(model, cfg: dict, prefix: str, names: list[str] | None) -> dict:
+    results: dict = {}
+    for case in cfg["cases"]:
+        if names is not None and case["name"] not in names:
+            continue
+        kwargs = dict(case["kwargs"])
+        kwargs.setdefault("vocab_size", cfg["vocab_size"])
+        if case.get("eos_from"):
+            src, row, index = case["eos_from"]
+            kwargs["eos_id"] = results[prefix + src]["tokens"][row][index]
+        rows = case.get("rows") or list(range(len(cfg["prompts"])))
+        prompts = [cfg["prompts"][i] for i in rows]
+        model.train()  # generate() must switch to eval and back
+        t0 = time.perf_counter()
+        if case.get("one_by_one"):
+            parts = [generate(model, [p], **kwargs) for p in prompts]
+            out = {
+                "tokens": [g.tokens[0] for g in parts],
+                "ended_with_eos": [g.ended_with_eos[0] for g in parts],
+                "logprobs": [g.logprobs[0] for g in parts],
+            }
+        else:
+            out = dataclasses.asdict(generate(model, prompts, **kwargs))
+        out["seconds"] = time.perf_counter() - t0
+        if case.get("score"):
+            out["scored_logprobs"] = [score(model, p, t, cfg["vocab_size"]) for p, t in zip(prompts, out["tokens"])]
+        out["eos_id"] = kwargs["eos_id"]
+        assert model.training, "generate() did not restore training mode"
+        results[prefix + case["name"]] = out
+    return results
+
+
+def score(model, prompt: list[int], new: list[int], vocab_size: int) -> list[float]:
+    """log p(new[i] | prompt + new[:i]) from one full forward, as a training step computes it."""
+    model.eval()
+    # Right-pad to a multiple of TP (sequence parallelism splits the sequence); causal: earlier logits unchanged.
+    tp = model.config.tensor_model_parallel_size
+    row = prompt + new
+    tokens = torch.tensor([row + [0] * (-len(row) % tp)], dtype=torch.long)  # [1, s]
+    with torch.no_grad():
+        logits = model(tokens, loop.position_ids_like(tokens), None, runtime_gather_output=True)  # [1, s, V]
+    logp = torch.log_softmax(logits[0, :, :vocab_size].float(), dim=-1)  # [s, V]
+    targets = torch.tensor(new, dtype=torch.long)  # [n]
+    rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(new))  # [n] position predicting each new token
+    model.train()
+    return logp[rows, targets].tolist()
+
+
+def sequence_parallel_switches(model) -> list:
+    """Every sequence-parallel flag of the model (generate() turns them off and must restore them)."""
+    attrs = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+    flags = [getattr(m, a) for m in model.modules() for a in attrs if hasattr(m, a)]
+    return [model.config.sequence_parallel, *flags]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    cfg = json.loads(Path(parser.parse_args().config).read_text())
+    parallel = from_dict(ParallelConfig, cfg["parallel"])
+    dist = init_distributed(parallel, seed=0)
+    source = init.resolve(cfg["checkpoint"], ModelConfig(attention_backend="sdpa"), tokenizer_vocab_size=0)
+
+    results: dict = {}
+    for variant in [{"prefix": ""}] + cfg.get("variants", []):
+        par = dataclasses.replace(parallel, **variant.get("parallel", {}))
+        model = build_gpt(dataclasses.replace(source.model, **variant.get("model", {})), par, source.vocab_size,
+                          dist.pgs)
+        source.load(model)
+        before = sequence_parallel_switches(model)
+        results.update(run_cases(model, cfg, variant["prefix"], variant.get("cases")))
+        results[variant["prefix"] + "switches_restored"] = sequence_parallel_switches(model) == before
+    if dist.rank == 0:
+        (Path(cfg["run_dir"]) / "result.json").write_text(json.dumps(results))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
