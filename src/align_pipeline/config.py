@@ -169,19 +169,20 @@ class TrainingConfig:
             raise ConfigError("training.train_steps must be >= 1")
 
 
-@dataclass
-class SFTJobConfig:
-    """Everything ``python -m align_pipeline.train.sft`` needs (written by the node or by hand as JSON)."""
+@dataclass(kw_only=True)
+class TrainJobConfig:
+    """What every training entry point needs (written by the node, or by hand as JSON)."""
 
     run_dir: str
     """Working directory: config, logs, training checkpoints, result.json; the final model goes to run_dir/model."""
     train_data: str
-    """Tokenized SFT .npz (input_ids, labels, loss_mask)."""
+    """Tokenized training .npz (SFT: input_ids/labels/loss_mask; preference: chosen_*/rejected_*)."""
     val_data: str
-    """Tokenized validation .npz."""
+    """Tokenized validation .npz (same format)."""
     tokenizer: str
     """Tokenizer directory (ours or an HF model's)."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture for random init; a checkpoint / HF ``init_from`` brings its own."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     init_from: str | None = None
@@ -192,33 +193,33 @@ class SFTJobConfig:
     """Exit cleanly after this many steps of *this* invocation (simulates an interruption; used by resume tests)."""
 
 
+@dataclass(kw_only=True)
+class SFTJobConfig(TrainJobConfig):
+    """``python -m align_pipeline.train.sft``: next-token loss on response tokens."""
+
+
 @dataclass
 class RewardHeadConfig:
     """How the reward model turns hidden states into a reward."""
 
-    pooling: Literal["last", "mean"] = "last"
+    pooling: Literal["last", "mean"] = "mean"
     """last = the value at the final response token (EOS); mean = mean over the response tokens."""
     margin_scale: float = 0.0
     """Bradley-Terry margin = margin_scale * (chosen_reward - rejected_reward) where the data has both (Llama 2)."""
 
 
-@dataclass
-class RewardModelJobConfig:
-    """``python -m align_pipeline.train.reward_model``: Bradley-Terry reward model on preference pairs."""
+@dataclass(kw_only=True)
+class RewardModelJobConfig(TrainJobConfig):
+    """``python -m align_pipeline.train.reward_model``: Bradley-Terry reward model on preference pairs.
 
-    run_dir: str
-    train_data: str
-    """Tokenized preference .npz (chosen_*/rejected_* input_ids, labels, loss_mask; chosen/rejected_reward)."""
-    val_data: str
-    tokenizer: str
-    init_from: str
-    """Checkpoint (usually sft_policy) or HF dir; its LM head is replaced by a fresh value head."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
+    ``init_from`` (required) is usually sft_policy; its LM head is replaced by a fresh value head.
+    """
+
     reward: RewardHeadConfig = field(default_factory=RewardHeadConfig)
-    lineage: dict[str, Any] = field(default_factory=dict)
-    stop_after_steps: int | None = None
+
+    def validate(self) -> None:
+        if self.init_from is None:
+            raise ConfigError("RewardModelJobConfig.init_from: a reward model starts from a checkpoint or HF dir")
 
 
 @dataclass
@@ -251,24 +252,20 @@ class ReferenceLogpsJobConfig:
     """Sequence pairs per forward."""
 
 
-@dataclass
-class DPOJobConfig:
-    """``python -m align_pipeline.train.dpo``: DPO-family training against cached reference log-probs."""
+@dataclass(kw_only=True)
+class DPOJobConfig(TrainJobConfig):
+    """``python -m align_pipeline.train.dpo``: DPO-family training against cached reference log-probs.
 
-    run_dir: str
-    train_data: str
-    val_data: str
-    tokenizer: str
-    init_from: str
-    """The policy's starting checkpoint (normally sft_policy)."""
-    reference_logps: str | None
+    ``init_from`` (required) is the policy's starting checkpoint, normally sft_policy.
+    """
+
+    reference_logps: str | None = None
     """Cached reference log-probs (.npz from reference_logps); None only for reference-free losses (simpo)."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
     loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
-    lineage: dict[str, Any] = field(default_factory=dict)
-    stop_after_steps: int | None = None
+
+    def validate(self) -> None:
+        if self.init_from is None:
+            raise ConfigError("DPOJobConfig.init_from: the policy starts from a checkpoint or HF dir")
 
 
 @dataclass
@@ -466,14 +463,14 @@ def config_hash(obj: Any) -> str:
 
 __all__ = [
     "ConfigError",
-    "LaunchConfig",
-    "ModelConfig",
-    "OptimizerConfig",
     "DPOJobConfig",
     "DPOParams",
     "EvaluationJobConfig",
     "EvaluationParams",
     "GenerationConfig",
+    "LaunchConfig",
+    "ModelConfig",
+    "OptimizerConfig",
     "ParallelConfig",
     "PreferenceLossConfig",
     "ReferenceLogpsJobConfig",
@@ -482,6 +479,7 @@ __all__ = [
     "RewardModelParams",
     "SFTJobConfig",
     "StageParams",
+    "TrainJobConfig",
     "TrainingConfig",
     "config_hash",
     "field",

@@ -7,8 +7,8 @@ from kedro.config import OmegaConfigLoader
 # Kedro's telemetry plugin (pulled in by kedro-viz) tries the network at start-up.
 os.environ.setdefault("KEDRO_DISABLE_TELEMETRY", "true")
 
-from align_pipeline.hooks import MlflowHook  # noqa: E402
-from align_pipeline.validation import ParamsValidationHook  # noqa: E402
+from align_pipeline.hooks import MlflowHook
+from align_pipeline.validation import ParamsValidationHook
 
 # pluggy calls the most recently registered implementation first: parameters are validated before the MLflow parent
 # run is opened, so a bad config neither launches anything nor leaves a run behind.

@@ -149,7 +149,7 @@ def build_gpt(
         parallel_output=True,
         share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
         position_embedding_type=model.position_embedding_type,
-        rotary_base=int(model.rotary_base),
+        rotary_base=model.rotary_base,  # a float theta must not be truncated
         pg_collection=pg_collection,
     )
     if torch.cuda.is_available():

@@ -54,6 +54,8 @@ def resolve(init_from: str | None, model: ModelConfig, tokenizer_vocab_size: int
         from align_pipeline.model import hf
 
         hf_model, vocab = hf.model_config_from_hf(path, base=model)
+        if tokenizer_vocab_size > vocab:
+            raise ValueError(f"the tokenizer has {tokenizer_vocab_size} tokens but {path} has only {vocab} embeddings")
         return ModelSource(hf_model, vocab, lambda m: hf.load_hf_weights(path, m), {"kind": "hf", "path": str(path)})
     raise FileNotFoundError(f"init_from={init_from!r} is neither a checkpoint (meta.json) nor an HF model dir")
 

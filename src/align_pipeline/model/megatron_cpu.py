@@ -141,7 +141,7 @@ class _CpuEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, end: "_CpuEvent") -> float:
+    def elapsed_time(self, end: _CpuEvent) -> float:
         return (end._t - self._t) * 1000.0
 
 

@@ -13,16 +13,11 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-import torch
 
 from align_pipeline.config import DPOJobConfig
-from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.preference import REFERENCE_FREE_LOSSES, PreferenceLogps, combine, get_preference_loss
-from align_pipeline.model import init
 from align_pipeline.model.logprobs import token_nll
-from align_pipeline.tracking import RunLogger
 from align_pipeline.train import loop, trainer
-from align_pipeline.train.distributed import init_distributed
 from align_pipeline.train.reward_model import pair_batch
 
 
@@ -33,7 +28,7 @@ def with_reference(arrays: dict[str, np.ndarray], ref: np.lib.npyio.NpzFile | No
     n = len(arrays["chosen_input_ids"])
     extra = {"ref_chosen_logps": ref[f"{split}_chosen_logps"].astype(np.float32),
              "ref_rejected_logps": ref[f"{split}_rejected_logps"].astype(np.float32)}
-    for key, value in extra.items():
+    for value in extra.values():
         if len(value) != n:
             raise ValueError(f"reference log-probs for {split} have {len(value)} rows, the data has {n}")
     return {**arrays, **extra}
@@ -68,30 +63,20 @@ def make_forward_loss(job: DPOJobConfig, vocab_size: int, tp_rank: int):
 
 
 def main(job: DPOJobConfig) -> dict:
-    tcfg = job.training
     if job.reference_logps is None and job.loss.name not in REFERENCE_FREE_LOSSES:
         raise ValueError(f"loss {job.loss.name!r} needs reference log-probs (reference_logps is None)")
-    dist = init_distributed(job.parallel, tcfg.seed)
-    tokenizer = load_tokenizer(job.tokenizer)
-    source = init.resolve(job.init_from, job.model, tokenizer.vocab_size)
-    loop.log(dist, f"[dpo] loss={job.loss.name} beta={job.loss.beta} world={dist.world_size} tp={dist.tp_size} "
-                   f"dp={dist.dp_size} init={job.init_from}")
-    model, optimizer, scheduler = loop.build_model_and_optimizer(source, job.parallel, tcfg, dist)
     ref = np.load(job.reference_logps) if job.reference_logps else None
-    train = loop.ArrayBatches(with_reference(dict(np.load(job.train_data)), ref, "train"), tcfg.global_batch_size,
-                              tcfg.micro_batch_size, dist, seed=tcfg.seed)
-    val = loop.ArrayBatches(with_reference(dict(np.load(job.val_data)), ref, "val"), tcfg.global_batch_size,
-                            tcfg.micro_batch_size, dist, seed=tcfg.seed, shuffle=False)
+    p = trainer.prepare(job, "dpo", with_arrays=lambda arrays, split: with_reference(arrays, ref, split))
     name = job.loss.name
     metrics = [f"{name}_loss", "accuracy", "rewards_chosen", "rewards_rejected", "rewards_margin", "logps_chosen",
                "logps_rejected"] + (["sft_loss", "loss"] if job.loss.sft_weight else [])
     spec = trainer.StageSpec(
-        name="dpo", forward_loss=make_forward_loss(job, source.vocab_size, dist.tp_rank), metrics=metrics,
+        name="dpo", forward_loss=make_forward_loss(job, p.source.vocab_size, p.dist.tp_rank), metrics=metrics,
         loss_metric="loss" if job.loss.sft_weight else f"{name}_loss",
-        extra_meta={"preference_loss": {"name": name, "beta": job.loss.beta, **job.loss.options}},
+        extra_meta={"preference_loss": {"name": name, "beta": job.loss.beta, "sft_weight": job.loss.sft_weight,
+                                        **job.loss.options}},
     )
-    return trainer.fit(job, spec, dist, RunLogger(rank=dist.rank), source, model, optimizer, scheduler, train, val,
-                       tokenizer)
+    return trainer.fit(job, spec, p)
 
 
 if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required

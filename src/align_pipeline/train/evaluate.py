@@ -178,7 +178,7 @@ def main(job: EvaluationJobConfig) -> dict:
         pairs = dict(np.load(job.preference_data))
         r = per_sample(rm, pairs, reward_fn(rm_pooling), mb, dist)  # [n, 2]
         report["reward_model"] = {"accuracy": float(np.mean(r[:, 0] > r[:, 1])),
-                                  "mean_margin": float(np.mean(r[:, 0] - r[:, 1])), "pairs": int(len(r))}
+                                  "mean_margin": float(np.mean(r[:, 0] - r[:, 1])), "pairs": len(r)}
         loop.log(dist, f"[evaluation] reward model accuracy on held-out pairs: {report['reward_model']['accuracy']:.4f}")
 
     if dist.is_logging_rank:

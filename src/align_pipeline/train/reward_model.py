@@ -9,21 +9,16 @@ sequence is the value at its last response token (or the mean over response toke
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from align_pipeline.config import RewardModelJobConfig
-from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.reward import bradley_terry_loss
-from align_pipeline.model import init
-from align_pipeline.tracking import RunLogger
 from align_pipeline.train import loop, trainer
-from align_pipeline.train.distributed import init_distributed
 
 
 def pair_batch(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stack chosen over rejected: input_ids/labels/loss_mask [2b, s] (rows 0..b-1 chosen, b..2b-1 rejected)."""
-    cat = lambda key: torch.cat([batch[f"chosen_{key}"], batch[f"rejected_{key}"]])  # noqa: E731
+    cat = lambda key: torch.cat([batch[f"chosen_{key}"], batch[f"rejected_{key}"]])
     return cat("input_ids"), cat("labels"), cat("loss_mask")
 
 
@@ -61,24 +56,13 @@ def make_forward_loss(job: RewardModelJobConfig):
 
 
 def main(job: RewardModelJobConfig) -> dict:
-    tcfg = job.training
-    dist = init_distributed(job.parallel, tcfg.seed)
-    tokenizer = load_tokenizer(job.tokenizer)
-    source = init.resolve(job.init_from, job.model, tokenizer.vocab_size)
-    loop.log(dist, f"[reward_model] world={dist.world_size} tp={dist.tp_size} pp={dist.pp_size} dp={dist.dp_size} "
-                   f"init={source.parent['kind']}:{job.init_from}")
-    model, optimizer, scheduler = loop.build_model_and_optimizer(source, job.parallel, tcfg, dist, head="value")
-    train = loop.ArrayBatches(dict(np.load(job.train_data)), tcfg.global_batch_size, tcfg.micro_batch_size, dist,
-                              seed=tcfg.seed)
-    val = loop.ArrayBatches(dict(np.load(job.val_data)), tcfg.global_batch_size, tcfg.micro_batch_size, dist,
-                            seed=tcfg.seed, shuffle=False)
+    p = trainer.prepare(job, "reward_model", head="value")
     spec = trainer.StageSpec(
         name="reward_model", forward_loss=make_forward_loss(job),
         metrics=["rm_loss", "accuracy", "reward_chosen", "reward_rejected", "reward_margin"], loss_metric="rm_loss",
         head="value", extra_meta={"reward": {"pooling": job.reward.pooling}},
     )
-    return trainer.fit(job, spec, dist, RunLogger(rank=dist.rank), source, model, optimizer, scheduler, train, val,
-                       tokenizer)
+    return trainer.fit(job, spec, p)
 
 
 if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required

@@ -9,13 +9,19 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from align_pipeline.config import config_hash, to_dict
-from align_pipeline.model import checkpoint
+import numpy as np
+
+from align_pipeline.config import TrainJobConfig, config_hash, to_dict
+from align_pipeline.data.tokenizer import load_tokenizer
+from align_pipeline.model import checkpoint, init
+from align_pipeline.model.init import ModelSource
+from align_pipeline.tracking import RunLogger
 from align_pipeline.train import loop
-from align_pipeline.train.distributed import Dist, shutdown
+from align_pipeline.train.distributed import Dist, init_distributed, shutdown
 
 
 @dataclasses.dataclass
@@ -36,9 +42,46 @@ class StageSpec:
     """Stage-specific fields for meta.json (e.g. the reward head's pooling)."""
 
 
-def fit(job, spec: StageSpec, dist: Dist, logger, source, model, optimizer, scheduler,
-        train: loop.ArrayBatches, val: loop.ArrayBatches, tokenizer) -> dict[str, Any]:
-    """Train ``model`` for ``job.training.train_steps`` steps; returns the result dict (also run_dir/result.json)."""
+@dataclasses.dataclass
+class Prepared:
+    """Everything a stage has set up before its loop."""
+
+    dist: Dist
+    tokenizer: Any
+    source: ModelSource
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train: loop.ArrayBatches
+    val: loop.ArrayBatches
+
+
+def prepare(job: TrainJobConfig, stage: str, head: str = "lm",
+            with_arrays: Callable[[dict[str, np.ndarray], str], dict[str, np.ndarray]] | None = None) -> Prepared:
+    """Process groups, tokenizer, the model (from ``job.init_from`` or random) with its optimizer and schedule, and
+    the train/val batches (``with_arrays(arrays, split)`` may add per-sample arrays, e.g. reference log-probs)."""
+    tcfg = job.training
+    dist = init_distributed(job.parallel, tcfg.seed)
+    tokenizer = load_tokenizer(job.tokenizer)
+    source = init.resolve(job.init_from, job.model, tokenizer.vocab_size)
+    loop.log(dist, f"[{stage}] world={dist.world_size} tp={dist.tp_size} pp={dist.pp_size} dp={dist.dp_size} "
+                   f"backend={dist.backend} init={source.parent['kind']}:{job.init_from}")
+    model, optimizer, scheduler = loop.build_model_and_optimizer(source, job.parallel, tcfg, dist, head=head)
+    batches = {}
+    for split, path in (("train", job.train_data), ("val", job.val_data)):
+        arrays = dict(np.load(path))
+        if with_arrays is not None:
+            arrays = with_arrays(arrays, split)
+        batches[split] = loop.ArrayBatches(arrays, tcfg.global_batch_size, tcfg.micro_batch_size, dist,
+                                           seed=tcfg.seed, shuffle=split == "train")
+    return Prepared(dist, tokenizer, source, model, optimizer, scheduler, batches["train"], batches["val"])
+
+
+def fit(job: TrainJobConfig, spec: StageSpec, p: Prepared) -> dict[str, Any]:
+    """Train for ``job.training.train_steps`` steps; returns the result dict (also run_dir/result.json)."""
+    dist, source, model, optimizer, scheduler, train, val = (p.dist, p.source, p.model, p.optimizer, p.scheduler,
+                                                             p.train, p.val)
+    logger = RunLogger(rank=dist.rank)
     run_dir, tcfg, seq_length = Path(job.run_dir), job.training, source.model.seq_length
     step = 0
     latest = checkpoint.latest_checkpoint(run_dir) if tcfg.resume else None
@@ -108,7 +151,7 @@ def fit(job, spec: StageSpec, dist: Dist, logger, source, model, optimizer, sche
         "model": to_dict(source.model),
         "head": spec.head,
         "vocab_size": source.vocab_size,
-        "tokenizer": {"path": str(job.tokenizer), "fingerprint": tokenizer.fingerprint},
+        "tokenizer": {"path": str(job.tokenizer), "fingerprint": p.tokenizer.fingerprint},
         "saved_with_parallel": to_dict(job.parallel),
         "metrics": {**final_val, "train_loss": last.get("loss")},
         "lineage": {**job.lineage, "parent": source.parent, "config_hash": config_hash(job),
