@@ -206,6 +206,9 @@ class RewardHeadConfig:
     """last = the value at the final response token (EOS); mean = mean over the response tokens."""
     margin_scale: float = 0.0
     """Bradley-Terry margin = margin_scale * (chosen_reward - rejected_reward) where the data has both (Llama 2)."""
+    loss: Literal["bradley_terry", "regression"] = "bradley_terry"
+    """bradley_terry: pairwise on preference pairs; regression: SteerLM-style multi-attribute labels (the data is a
+    tokenized "regression" file with ``reward_labels`` [N, A]; missing labels are masked)."""
 
 
 @dataclass(kw_only=True)

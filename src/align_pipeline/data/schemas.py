@@ -25,7 +25,7 @@ from typing import Any, Literal
 from .formats import bytes_sha256
 
 Kind = Literal["sft", "preference", "prompts"]
-KINDS: tuple[str, ...] = ("sft", "preference", "prompts")
+KINDS: tuple[str, ...] = ("sft", "preference", "prompts", "regression")
 
 
 class DataValidationError(ValueError):
@@ -118,6 +118,7 @@ SFT_CHAT_FIELDS = {"system", "conversations", "mask", "type"}
 TURN_FIELDS = {"from", "value", "label"}
 PREFERENCE_FIELDS = {"prompt", "chosen_response", "rejected_response", "chosen_reward", "rejected_reward"}
 PROMPT_FIELDS = {"prompt", "answer"}
+REGRESSION_FIELDS = {"prompt", "response", "labels"}
 ROLES = ("User", "Assistant")
 
 
@@ -166,7 +167,23 @@ def _check_prompts(obj: dict) -> None:
         _expect_str(obj, "answer")
 
 
-_CHECKS = {"sft": _check_sft, "preference": _check_preference, "prompts": _check_prompts}
+def _check_regression(obj: dict) -> None:
+    """SteerLM-style multi-attribute data: ``{"prompt", "response", "labels": {attribute: number | null}}``."""
+    _reject_extra(obj, REGRESSION_FIELDS)
+    _expect_str(obj, "prompt")
+    _expect_str(obj, "response")
+    if "labels" not in obj:
+        raise _FieldError("labels", "missing (required): expected an object {attribute: number or null}")
+    labels = obj["labels"]
+    if not isinstance(labels, dict) or not labels:
+        raise _FieldError("labels", f"expected a non-empty object {{attribute: number or null}}, got {_type_name(labels)}")
+    for name, value in labels.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise _FieldError(f"labels.{name}", f"expected a number or null (missing), got {_type_name(value)}")
+
+
+_CHECKS = {"sft": _check_sft, "preference": _check_preference, "prompts": _check_prompts,
+           "regression": _check_regression}
 
 
 def validate_record(obj: Any, kind: str) -> None:

@@ -138,6 +138,8 @@ class Encoded:
     arrays: dict[str, np.ndarray] | None = None
     records: list[dict[str, Any]] | None = None
     max_tokens: int = 0
+    attributes: list[str] | None = None
+    """Regression data: the label names, in the column order of ``reward_labels``."""
 
 
 def encode_sft(raw: RawData, tok: TextTokenizer, seq_length: int) -> Encoded:
@@ -197,7 +199,25 @@ def encode_prompts(raw: RawData, tok: TextTokenizer, seq_length: int) -> Encoded
     return Encoded(keys=[r["prompt"] for r in raw.records], records=records, max_tokens=longest)
 
 
-ENCODERS = {"sft": encode_sft, "preference": encode_preference, "prompts": encode_prompts}
+def encode_regression(raw: RawData, tok: TextTokenizer, seq_length: int) -> Encoded:
+    """SteerLM-style records -> SFT-like arrays (loss_mask marks the response) + ``reward_labels`` [N, A] float32
+    (NaN = missing label), attributes in sorted order (``Encoded.attributes``, copied into the sidecar meta)."""
+    samples = []
+    for i, rec in enumerate(raw.records):
+        ids, resp = encode_prompt_response(tok, rec["prompt"], rec["response"])
+        if len(ids) > seq_length:
+            raise raw.error(i, "response", _too_long(len(ids), seq_length, "<bos> + prompt + response + <eos>"))
+        samples.append((ids, resp))
+    names = sorted({k for r in raw.records for k in r["labels"]})
+    labels = np.array([[np.nan if r["labels"].get(k) is None else float(r["labels"][k]) for k in names]
+                       for r in raw.records], dtype=np.float32)  # [N, A]
+    arrays = {**pack(samples, seq_length, tok.pad_id), "reward_labels": labels}
+    return Encoded(keys=[r["prompt"] for r in raw.records], arrays=arrays,
+                   max_tokens=max(len(s[0]) for s in samples), attributes=names)
+
+
+ENCODERS = {"sft": encode_sft, "preference": encode_preference, "prompts": encode_prompts,
+            "regression": encode_regression}
 
 
 def encode(raw: RawData, tok: TextTokenizer, seq_length: int) -> Encoded:
@@ -225,6 +245,8 @@ def split_encoded(
             "val_fraction": val_fraction,
             "split_seed": config.seed,
         }
+        if enc.attributes is not None:
+            meta["attributes"] = enc.attributes
         if enc.arrays is not None:
             ix = np.asarray(idx, dtype=np.int64)
             out[split] = ArrayBundle(arrays={k: v[ix] for k, v in enc.arrays.items()}, meta=meta)

@@ -165,7 +165,9 @@ class FixedKLController:
 
 def _check_same_shape(logp: torch.Tensor, ref_logp: torch.Tensor) -> None:
     if logp.shape != ref_logp.shape:
-        raise ValueError(f"logp and ref_logp must have the same shape; got {tuple(logp.shape)}, {tuple(ref_logp.shape)}")
+        raise ValueError(
+            f"logp and ref_logp must have the same shape; got {tuple(logp.shape)}, {tuple(ref_logp.shape)}"
+        )
 
 
 def _check_positive(name: str, value: float) -> None:

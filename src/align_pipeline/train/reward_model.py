@@ -1,18 +1,21 @@
-"""Reward-model entry point: a Bradley-Terry reward model on preference pairs.
+"""Reward-model entry point: a Bradley-Terry reward model on preference pairs (or a SteerLM-style regression RM).
 
     torchrun --nproc_per_node 2 -m align_pipeline.train.reward_model --config run/config.json
 
 Starts from ``init_from`` (normally ``sft_policy``) with the LM head replaced by a scalar value head; the reward of a
 sequence is the value at its last response token (or the mean over response tokens). Loss: ``-log sigma(r_c - r_r
-- margin)`` (:func:`align_pipeline.losses.reward.bradley_terry_loss`). Output: ``run_dir/model`` (head "value").
+- margin)`` (:func:`align_pipeline.losses.reward.bradley_terry_loss`); with ``reward.loss: regression`` one value per
+attribute regressed onto the labels present (:func:`~align_pipeline.losses.reward.regression_reward_loss`). Output:
+``run_dir/model`` (head "value").
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from align_pipeline.config import RewardModelJobConfig
-from align_pipeline.losses.reward import bradley_terry_loss
+from align_pipeline.losses.reward import bradley_terry_loss, regression_reward_loss
 from align_pipeline.train import loop, trainer
 
 
@@ -38,7 +41,29 @@ def sequence_rewards(values: torch.Tensor, loss_mask: torch.Tensor, pooling: str
     return values.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
+def regression_forward_loss(pooling: str):
+    """SteerLM-style: one value per attribute, regressed onto the labels present (NaN = missing)."""
+
+    def forward_loss(module, batch):
+        ids, mask = batch["input_ids"], batch["loss_mask"]  # [b, s]
+        values = module(ids, loop.position_ids_like(ids), None)  # [b, s, A]
+
+        def loss_fn(values):
+            per_attr = [sequence_rewards(values[..., a : a + 1], mask, pooling) for a in range(values.shape[-1])]
+            predicted = torch.stack(per_attr, dim=-1)  # [b, A]
+            labels = batch["reward_labels"]  # [b, A]
+            present = ~torch.isnan(labels)
+            return regression_reward_loss(predicted, torch.nan_to_num(labels), present.float())
+
+        return values, loss_fn
+
+    return forward_loss
+
+
 def make_forward_loss(job: RewardModelJobConfig):
+    if job.reward.loss == "regression":
+        return regression_forward_loss(job.reward.pooling)
+
     def forward_loss(module, batch):
         ids, _, mask = pair_batch(batch)
         values = module(ids, loop.position_ids_like(ids), None)  # [2b, s, 1] on the last stage
@@ -56,11 +81,15 @@ def make_forward_loss(job: RewardModelJobConfig):
 
 
 def main(job: RewardModelJobConfig) -> dict:
-    p = trainer.prepare(job, "reward_model", head="value")
+    regression = job.reward.loss == "regression"
+    num_outputs = np.load(job.train_data)["reward_labels"].shape[1] if regression else 1
+    p = trainer.prepare(job, "reward_model", head="value", num_outputs=num_outputs)
+    metrics = ["rm_loss", "abs_error"] if regression else [
+        "rm_loss", "accuracy", "reward_chosen", "reward_rejected", "reward_margin"]
     spec = trainer.StageSpec(
-        name="reward_model", forward_loss=make_forward_loss(job),
-        metrics=["rm_loss", "accuracy", "reward_chosen", "reward_rejected", "reward_margin"], loss_metric="rm_loss",
-        head="value", extra_meta={"reward": {"pooling": job.reward.pooling}},
+        name="reward_model", forward_loss=make_forward_loss(job), metrics=metrics, loss_metric="rm_loss",
+        head="value", extra_meta={"reward": {"pooling": job.reward.pooling, "loss": job.reward.loss},
+                                  "num_outputs": num_outputs},
     )
     return trainer.fit(job, spec, p)
 

@@ -56,7 +56,7 @@ class Prepared:
     val: loop.ArrayBatches
 
 
-def prepare(job: TrainJobConfig, stage: str, head: str = "lm",
+def prepare(job: TrainJobConfig, stage: str, head: str = "lm", num_outputs: int = 1,
             with_arrays: Callable[[dict[str, np.ndarray], str], dict[str, np.ndarray]] | None = None) -> Prepared:
     """Process groups, tokenizer, the model (from ``job.init_from`` or random) with its optimizer and schedule, and
     the train/val batches (``with_arrays(arrays, split)`` may add per-sample arrays, e.g. reference log-probs)."""
@@ -66,7 +66,8 @@ def prepare(job: TrainJobConfig, stage: str, head: str = "lm",
     source = init.resolve(job.init_from, job.model, tokenizer.vocab_size)
     loop.log(dist, f"[{stage}] world={dist.world_size} tp={dist.tp_size} pp={dist.pp_size} dp={dist.dp_size} "
                    f"backend={dist.backend} init={source.parent['kind']}:{job.init_from}")
-    model, optimizer, scheduler = loop.build_model_and_optimizer(source, job.parallel, tcfg, dist, head=head)
+    model, optimizer, scheduler = loop.build_model_and_optimizer(source, job.parallel, tcfg, dist, head=head,
+                                                                 num_outputs=num_outputs)
     batches = {}
     for split, path in (("train", job.train_data), ("val", job.val_data)):
         arrays = dict(np.load(path))
