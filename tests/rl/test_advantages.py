@@ -82,12 +82,13 @@ def test_gae_lambda_one_gamma_one_is_monte_carlo():
 
 def test_gae_different_lengths_and_padding_sides():
     # row 0: the trajectory above with a masked tail holding garbage (NaN value, large reward)
+    # (masked values are garbage: a finite one right after row 1's end must not be bootstrapped from)
     # row 1: length 2, γ = 0.9, λ = 0.5, r = [0, 2], V = [1.0, 0.5]:
     #   δ_1 = 2 - 0.5 = 1.5;  δ_0 = 0 + 0.9·0.5 - 1.0 = -0.55
     #   A_1 = 1.5;  A_0 = -0.55 + 0.45·1.5 = 0.125;  R = [1.125, 2.0]
     # row 2: row 0's trajectory left-padded by one prompt position (garbage there): same numbers, shifted
     rewards = torch.tensor([[*R3, 100.0], [0.0, 2.0, 100.0, 100.0], [100.0, *R3]])
-    values = torch.tensor([[*V3, NAN], [1.0, 0.5, NAN, NAN], [NAN, *V3]])
+    values = torch.tensor([[*V3, NAN], [1.0, 0.5, 5.0, NAN], [NAN, *V3]])  # 5.0: a value past the end
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [0, 1, 1, 1]])
     adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.5)
     close(adv, [[*A3, 0.0], [0.125, 1.5, 0.0, 0.0], [0.0, *A3]])
@@ -176,11 +177,12 @@ def test_grpo_group_of_four():
 
 
 def test_equal_scores_give_exactly_zero_advantages():
-    # 0.1 is not exactly representable: r - mean would be a rounding error, divided by std + 1e-6 ≈ 1e-6
-    scores = torch.tensor([[0.1, 0.1, 0.1, 0.1], [0.7, 0.7, 0.7, 0.7], [1.0, 0.0, 1.0, 0.0]])
+    # 0.9 and 0.1 are not exact in float32: for [0.9, 0.9, 0.9], r - mean is 6e-8 (one ulp), and divided by
+    # std + 1e-6 it would be 0.056 instead of 0; RLOO's (Σ - r)/(n-1) is off by 7e-9 for [0.1, 0.1, 0.1].
+    scores = torch.tensor([[0.9, 0.9, 0.9], [0.1, 0.1, 0.1], [0.7, 0.7, 0.7], [1.0, 0.0, 1.0]])
     for adv in (grpo_advantages(scores), grpo_advantages(scores, scale=False), rloo_advantages(scores)):
-        assert torch.equal(adv[:2], torch.zeros(2, 4))
-        assert (adv[2] != 0).all()
+        assert torch.equal(adv[:3], torch.zeros(3, 3))
+        assert (adv[3] != 0).all()
 
 
 def test_group_shape_is_checked():

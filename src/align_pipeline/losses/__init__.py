@@ -15,6 +15,13 @@ from align_pipeline.losses.preference import (
     sft_mix,
     simpo_loss,
 )
+from align_pipeline.losses.ppo import (
+    entropy_bonus,
+    entropy_from_logits,
+    ppo_policy_loss,
+    ppo_value_loss,
+    reinforce_loss,
+)
 from align_pipeline.losses.reward import bradley_terry_loss, regression_reward_loss
 from align_pipeline.losses.sft import masked_token_loss
 
@@ -28,11 +35,16 @@ __all__ = [
     "bradley_terry_loss",
     "combine",
     "dpo_loss",
+    "entropy_bonus",
+    "entropy_from_logits",
     "get_preference_loss",
     "hinge_loss",
     "ipo_loss",
     "masked_token_loss",
+    "ppo_policy_loss",
+    "ppo_value_loss",
     "regression_reward_loss",
+    "reinforce_loss",
     "rpo_loss",
     "sft_mix",
     "simpo_loss",

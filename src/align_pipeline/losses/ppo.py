@@ -108,7 +108,7 @@ def ppo_value_loss(
     v_old, ret = _fill(old_values.detach(), m, dtype), _fill(returns.detach(), m, dtype)  # [B, T]
     v_clipped = v_old + (v - v_old).clamp(-clip_eps, clip_eps)  # [B, T]
     err, err_clipped = (v - ret) ** 2, (v_clipped - ret) ** 2  # [B, T]
-    losses = 0.5 * err  # [B, T]
+    losses = 0.5 * torch.maximum(err, err_clipped)  # [B, T]
     loss_sum = _masked_sum(losses, m)  # []
     with torch.no_grad():
         metrics = {
