@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
+from jobs import RAW, TINY_MODEL, make_pref_data, make_sft_data, run_sft, sft_job
 
 from align_pipeline.config import (
     DPOJobConfig,
@@ -20,12 +22,13 @@ from align_pipeline.config import (
     TrainingConfig,
     to_dict,
 )
-from align_pipeline.data.formats import Artifact, load_artifact
+from align_pipeline.data.formats import Artifact, load_artifact, save_jsonl
+from align_pipeline.data.schemas import read_raw_jsonl
+from align_pipeline.data.tokenize import encode
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.launch import run_torchrun
 from align_pipeline.pipelines.dpo.nodes import compute_reference_logps
 from align_pipeline.pipelines.evaluation.nodes import evaluate_policies
-from jobs import TINY_MODEL, make_pref_data, make_sft_data, run_sft, sft_job
 
 pytestmark = pytest.mark.gpu
 
@@ -69,10 +72,11 @@ def test_all_stages_one_gpu(tmp_path):
 
     t = time.perf_counter()
     prompts = tmp_path / "prompts_val.jsonl"
+    from jobs import RAW
+
     from align_pipeline.data.formats import save_jsonl
     from align_pipeline.data.schemas import read_raw_jsonl
     from align_pipeline.data.tokenize import encode
-    from jobs import RAW
 
     enc = encode(read_raw_jsonl(RAW / "prompts.jsonl", "prompts"), load_tokenizer(data["tokenizer"]), 48)
     save_jsonl(prompts, enc.records[:200], {"source": "test"})
@@ -83,5 +87,6 @@ def test_all_stages_one_gpu(tmp_path):
     timings["evaluation_s"] = time.perf_counter() - t
     print("GPU stages:", json.dumps({**timings, **{k: round(v, 4) for k, v in metrics.items()
                                                    if k.endswith(("accuracy", "kl_to_reference"))}}))
+    assert (Path(report_dir) / "report.json").is_file()
     assert metrics["sft.kl_to_reference"] == pytest.approx(0.0, abs=1e-3)
     assert 0.0 <= metrics["reward_model.accuracy"] <= 1.0 and "dpo.accuracy" in metrics
