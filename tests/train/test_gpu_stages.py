@@ -72,11 +72,7 @@ def test_all_stages_one_gpu(tmp_path):
 
     t = time.perf_counter()
     prompts = tmp_path / "prompts_val.jsonl"
-    from jobs import RAW
 
-    from align_pipeline.data.formats import save_jsonl
-    from align_pipeline.data.schemas import read_raw_jsonl
-    from align_pipeline.data.tokenize import encode
 
     enc = encode(read_raw_jsonl(RAW / "prompts.jsonl", "prompts"), load_tokenizer(data["tokenizer"]), 48)
     save_jsonl(prompts, enc.records[:200], {"source": "test"})
