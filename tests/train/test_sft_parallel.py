@@ -39,6 +39,7 @@ def reference(data, tmp_path_factory):
         ("tp2_sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
         ("dp2", {}),
         ("dp2_distopt", {"use_distributed_optimizer": True}),
+        ("dp2_recompute", {"recompute_granularity": "full"}),
     ],
 )
 def test_world_size_2_matches_world_size_1(data, reference, tmp_path, name, parallel):
