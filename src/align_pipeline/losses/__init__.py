@@ -1,6 +1,13 @@
 """Pure loss functions: ``(loss_sum, count, metric sums)``, see :mod:`align_pipeline.losses.base`."""
 
 from align_pipeline.losses.base import Loss, LossOutput
+from align_pipeline.losses.ppo import (
+    entropy_bonus,
+    entropy_from_logits,
+    ppo_policy_loss,
+    ppo_value_loss,
+    reinforce_loss,
+)
 from align_pipeline.losses.preference import (
     PREFERENCE_LOSSES,
     REFERENCE_FREE_LOSSES,
@@ -14,13 +21,6 @@ from align_pipeline.losses.preference import (
     rpo_loss,
     sft_mix,
     simpo_loss,
-)
-from align_pipeline.losses.ppo import (
-    entropy_bonus,
-    entropy_from_logits,
-    ppo_policy_loss,
-    ppo_value_loss,
-    reinforce_loss,
 )
 from align_pipeline.losses.reward import bradley_terry_loss, regression_reward_loss
 from align_pipeline.losses.sft import masked_token_loss

@@ -22,3 +22,4 @@ LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 class Loss(Protocol):
     def __call__(self, *args: torch.Tensor, **kwargs) -> LossOutput: ...
+

@@ -25,7 +25,6 @@ Configuration selects a function by name through :data:`PREFERENCE_LOSSES` / :fu
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Literal, Protocol
@@ -33,6 +32,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from align_pipeline.checks import check_nonnegative, check_positive
 from align_pipeline.losses.base import LossOutput
 
 
@@ -102,7 +102,7 @@ def dpo_loss(batch: PreferenceLogps, *, beta: float, label_smoothing: float = 0.
 
     Returns ``(loss_sum, B, metrics)`` with ``dpo_loss`` and the common metrics (see module docstring).
     """
-    _check_positive("beta", beta)
+    check_positive("beta", beta)
     if not 0.0 <= label_smoothing <= 0.5:
         raise ValueError(f"dpo_loss: label_smoothing must be in [0, 0.5], got {label_smoothing}")
     _require(batch, "dpo_loss", "ref_chosen", "ref_rejected")
@@ -136,7 +136,7 @@ def ipo_loss(batch: PreferenceLogps, *, beta: float, length_normalized: bool = T
 
     Returns ``(loss_sum, B, metrics)`` with ``ipo_loss`` and the common metrics.
     """
-    _check_positive("beta", beta)
+    check_positive("beta", beta)
     _require(batch, "ipo_loss", "ref_chosen", "ref_rejected")
     ratio_c, ratio_r = _log_ratios(batch)  # [B], [B]
     if length_normalized:
@@ -182,8 +182,8 @@ def rpo_loss(
     Returns ``(loss_sum, B, metrics)`` with ``rpo_loss``, the common metrics, and ``reward_pairs`` (1 per pair that
     had both rewards; divided by the count it is the fraction of rewarded pairs).
     """
-    _check_positive("beta", beta)
-    _check_positive("eta", eta)
+    check_positive("beta", beta)
+    check_positive("eta", eta)
     if distance not in ("bwd_kl", "sq"):
         raise ValueError(f"rpo_loss: distance must be 'bwd_kl' or 'sq', got {distance!r}")
     _require(batch, "rpo_loss", "ref_chosen", "ref_rejected", "chosen_reward", "rejected_reward")
@@ -221,7 +221,7 @@ def hinge_loss(batch: PreferenceLogps, *, beta: float) -> LossOutput:
 
     Returns ``(loss_sum, B, metrics)`` with ``hinge_loss`` and the common metrics.
     """
-    _check_positive("beta", beta)
+    check_positive("beta", beta)
     _require(batch, "hinge_loss", "ref_chosen", "ref_rejected")
     ratio_c, ratio_r = _log_ratios(batch)  # [B], [B]
     losses = torch.relu(1.0 - beta * (ratio_c - ratio_r))  # [B]
@@ -250,7 +250,7 @@ def simpo_loss(batch: PreferenceLogps, *, beta: float, gamma: float) -> LossOutp
 
     Returns ``(loss_sum, B, metrics)`` with ``simpo_loss`` and the common metrics.
     """
-    _check_positive("beta", beta)
+    check_positive("beta", beta)
     _require(batch, "simpo_loss", "chosen_tokens", "rejected_tokens")
     reward_c = beta * batch.policy_chosen.float() / _lengths(batch.chosen_tokens)  # [B]
     reward_r = beta * batch.policy_rejected.float() / _lengths(batch.rejected_tokens)  # [B]
@@ -283,7 +283,7 @@ def sft_mix(chosen_token_nll_sum: torch.Tensor, chosen_tokens: torch.Tensor, *, 
     reduced count).
     """
     _check_pair_shapes(chosen_token_nll_sum, chosen_tokens)
-    _check_nonnegative("weight", weight)
+    check_nonnegative("weight", weight)
     nll_sum = chosen_token_nll_sum.float().sum()  # []
     count = chosen_tokens.sum().to(torch.int)  # []
     return weight * nll_sum, count, {"sft_loss": nll_sum.detach()}
@@ -315,7 +315,7 @@ def combine(
     ``loss`` (the combined loss_sum).
     """
     _check_pair_shapes(chosen_token_nll_sum, chosen_tokens)
-    _check_nonnegative("weight", weight)
+    check_nonnegative("weight", weight)
     pref_sum, count, pref_metrics = pref
     per_seq_nll = chosen_token_nll_sum.float() / _lengths(chosen_tokens)  # [B]
     loss_sum = pref_sum + weight * per_seq_nll.sum()  # []
@@ -361,14 +361,6 @@ def _require(batch: PreferenceLogps, loss_name: str, *names: str) -> None:
         raise ValueError(f"{loss_name} needs PreferenceLogps fields {missing}, which are None")
 
 
-def _check_positive(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-
-
-def _check_nonnegative(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
 
 def _check_pair_shapes(nll: torch.Tensor, tokens: torch.Tensor) -> None:

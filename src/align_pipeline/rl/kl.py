@@ -25,6 +25,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from align_pipeline.checks import check_nonnegative, check_positive
+
 KLEstimator = Literal["k1", "k2", "k3"]
 
 
@@ -114,9 +116,9 @@ class AdaptiveKLController:
     """
 
     def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
-        _check_positive("init_kl_coef", init_kl_coef)
-        _check_positive("target", target)
-        _check_positive("horizon", horizon)
+        check_positive("init_kl_coef", init_kl_coef)
+        check_positive("target", target)
+        check_positive("horizon", horizon)
         self.value = float(init_kl_coef)
         self.target = float(target)
         self.horizon = float(horizon)
@@ -136,7 +138,7 @@ class AdaptiveKLController:
         return {"value": self.value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_positive("value", state["value"])
+        check_positive("value", state["value"])
         self.value = float(state["value"])
 
 
@@ -144,7 +146,7 @@ class FixedKLController:
     """Constant β, with the :class:`AdaptiveKLController` interface (``update`` does nothing)."""
 
     def __init__(self, kl_coef: float) -> None:
-        _check_nonnegative("kl_coef", kl_coef)
+        check_nonnegative("kl_coef", kl_coef)
         self.value = float(kl_coef)
 
     def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
@@ -154,7 +156,7 @@ class FixedKLController:
         return {"value": self.value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_nonnegative("value", state["value"])
+        check_nonnegative("value", state["value"])
         self.value = float(state["value"])
 
 
@@ -170,11 +172,3 @@ def _check_same_shape(logp: torch.Tensor, ref_logp: torch.Tensor) -> None:
         )
 
 
-def _check_positive(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-
-
-def _check_nonnegative(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
