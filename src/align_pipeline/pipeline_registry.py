@@ -1,24 +1,30 @@
-"""Registered pipelines: one per stage, the compositions, and ``__default__`` = everything."""
+"""Registered pipelines: one per stage, the compositions, and ``__default__`` = everything.
+
+The stages are listed explicitly rather than discovered with ``find_pipelines()``: Kedro 1.7 loads pipelines lazily
+and, asked for ``--pipeline dpo_flow``, looks for a package named ``dpo_flow`` and fails on compositions.
+"""
 
 from __future__ import annotations
 
-from kedro.framework.project import find_pipelines
 from kedro.pipeline import Pipeline
 
-# Compositions of stage pipelines; a stage that does not exist yet is skipped.
-COMPOSITIONS = {
-    "rlhf": ["data_prep", "sft", "reward_model", "ppo", "evaluation"],
-    "dpo_flow": ["data_prep", "sft", "dpo", "evaluation"],
-}
+from align_pipeline.pipelines import data_prep, dpo, evaluation, reward_model, sft
 
 
 def register_pipelines() -> dict[str, Pipeline]:
-    pipelines = find_pipelines(raise_errors=True)
-    for name, stages in COMPOSITIONS.items():
-        present = [pipelines[s] for s in stages if s in pipelines]
-        if present:
-            pipelines[name] = sum(present, Pipeline([]))
-    pipelines["__default__"] = sum(
-        (p for n, p in pipelines.items() if n not in COMPOSITIONS), Pipeline([])
-    )
-    return pipelines
+    stages = {
+        "data_prep": data_prep.create_pipeline(),
+        "sft": sft.create_pipeline(),
+        "reward_model": reward_model.create_pipeline(),
+        "dpo": dpo.create_pipeline(),
+        "evaluation": evaluation.create_pipeline(),
+    }
+    # Each composition evaluates the policies it trains and uses a reward model only if it trains one.
+    # (rlhf gains its ppo stage and ppo_policy with the PPO issue.)
+    compositions = {
+        "rlhf": stages["data_prep"] + stages["sft"] + stages["reward_model"]
+        + evaluation.create_pipeline(policies=["sft_policy"], reward_model=True),
+        "dpo_flow": stages["data_prep"] + stages["sft"] + stages["dpo"]
+        + evaluation.create_pipeline(policies=["sft_policy", "dpo_policy"], reward_model=False),
+    }
+    return {**stages, **compositions, "__default__": sum(stages.values(), Pipeline([]))}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -91,3 +92,21 @@ def test_bad_sft_params_fail_before_any_launch(project):
     with pytest.raises(ConfigError, match="global_batch_size"):
         _run(project, "sft")
     assert not (project / "data" / "06_models" / "_runs").exists()
+
+
+TINY_STAGE = {"training": {"train_steps": 4, "global_batch_size": 8, "micro_batch_size": 8, "log_interval": 2,
+                           "eval_interval": 0, "eval_samples": 16, "save_interval": 0}}
+
+
+@pytest.mark.parametrize("composition, policies, with_rm", [("dpo_flow", {"sft", "dpo"}, False),
+                                                            ("rlhf", {"sft"}, True)])
+def test_compositions_run_on_a_fresh_project(project, composition, policies, with_rm):
+    """Each composition produces everything its evaluation needs (nothing from another flow)."""
+    fast = {**FAST, "reward_model": TINY_STAGE, "dpo": TINY_STAGE,
+            "evaluation": {"generation": {"samples_per_prompt": 1, "max_new_tokens": 8}, "greedy": False}}
+    (project / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(fast))
+    _run(project, composition)
+    (version,) = sorted((project / "data" / "08_reporting" / "eval_report").iterdir())
+    report = json.loads((version / "eval_report" / "report.json").read_text())
+    assert set(report["policies"]) == policies
+    assert ("reward_model" in report) == with_rm

@@ -18,9 +18,11 @@ from align_pipeline.launch import run_torchrun
 
 
 def evaluate_policies(tokenizer: Artifact, prompts_val: Artifact, pref_val: Artifact, sft_val: Artifact,
-                      reward_model: str, parallel: dict, launch: dict, evaluation: dict,
+                      parallel: dict, launch: dict, evaluation: dict, reward_model: str | None = None,
                       **policies: str) -> tuple[str, dict[str, float]]:
-    """``policies``: catalog name (``<stage>_policy``) -> checkpoint path. Returns (report dir, flat metrics)."""
+    """``policies``: catalog name (``<stage>_policy``) -> checkpoint path; ``reward_model`` None skips the RM metrics.
+
+    Returns (report dir, flat metrics)."""
     params = from_dict(EvaluationParams, evaluation, "params:evaluation")
     named = {name.removesuffix("_policy"): path for name, path in policies.items()}
     key = config_hash({"policies": named, "rm": reward_model, "prompts": prompts_val.fingerprint,
@@ -30,7 +32,7 @@ def evaluate_policies(tokenizer: Artifact, prompts_val: Artifact, pref_val: Arti
     job = EvaluationJobConfig(
         run_dir=str(run_dir), output_dir=str(run_dir / "eval_report"), tokenizer=str(Path(tokenizer.path).resolve()),
         prompts=str(Path(prompts_val.path).resolve()), policies=named, reference=named.get("sft"),
-        reward_model=reward_model, preference_data=str(Path(pref_val.path).resolve()),
+        reward_model=reward_model, preference_data=str(Path(pref_val.path).resolve()) if reward_model else None,
         sft_data=str(Path(sft_val.path).resolve()), checker=params.checker, generation=params.generation,
         greedy=params.greedy, parallel=from_dict(ParallelConfig, parallel, "params:parallel"),
         micro_batch_size=params.micro_batch_size,
