@@ -16,8 +16,6 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-HEADS = ("lm", "value")
-
 
 class ValueHead(MegatronModule):
     """[s, b, h] hidden states -> [s, b, num_outputs] values (called like Megatron's output layer)."""
@@ -50,6 +48,3 @@ def attach_value_head(gpt, num_outputs: int = 1):
     gpt.head = "value"
     return gpt
 
-
-def head_of(gpt) -> str:
-    return getattr(gpt, "head", "lm")

@@ -46,10 +46,6 @@ class Dist:
         return self.pp_rank == self.pp_size - 1
 
     @property
-    def dp_group(self):
-        return self.pgs.dp
-
-    @property
     def is_logging_rank(self) -> bool:
         """Rank 0 alone logs."""
         return self.rank == 0

@@ -76,8 +76,10 @@ def nll_fn(vocab_size: int, tp_rank: int):
 
 def reward_fn(pooling: str):
     def fn(module, batch):
-        ids = batch["input_ids"] if "input_ids" in batch else pair_batch(batch)[0]
-        mask = batch["loss_mask"] if "loss_mask" in batch else pair_batch(batch)[2]
+        if "input_ids" in batch:
+            ids, mask = batch["input_ids"], batch["loss_mask"]
+        else:  # preference pairs: chosen rows over rejected rows
+            ids, _, mask = pair_batch(batch)
         values = module(ids, loop.position_ids_like(ids), None)
 
         def stats(values):
