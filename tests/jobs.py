@@ -18,7 +18,7 @@ from align_pipeline.config import (
     TrainingConfig,
     to_dict,
 )
-from align_pipeline.data.formats import save_npz
+from align_pipeline.data.formats import save_jsonl, save_npz
 from align_pipeline.data.schemas import read_raw_jsonl, record_texts
 from align_pipeline.data.tokenize import DataPrepConfig, encode, split_encoded
 from align_pipeline.data.tokenizer import TokenizerConfig, build_tokenizer
@@ -62,6 +62,21 @@ def make_pref_data(out: Path, tokenizer_dir: str) -> dict[str, str]:
     for split, bundle in parts.items():
         save_npz(out / f"pref_{split}.npz", bundle.arrays, bundle.meta)
         paths[split] = str(out / f"pref_{split}.npz")
+    return paths
+
+
+def make_prompts(out: Path, tokenizer_dir: str) -> dict[str, str]:
+    """prompts_train/prompts_val .jsonl (prompt, prompt_ids, answer) from the shipped demo prompts."""
+    from align_pipeline.data.tokenizer import load_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(tokenizer_dir)
+    raw = read_raw_jsonl(RAW / "prompts.jsonl", "prompts")
+    parts = split_encoded(encode(raw, tok, TINY_MODEL.seq_length), raw, tok, DataPrepConfig(), TINY_MODEL.seq_length)
+    paths = {}
+    for split, bundle in parts.items():
+        save_jsonl(out / f"prompts_{split}.jsonl", bundle.records, bundle.meta)
+        paths[split] = str(out / f"prompts_{split}.jsonl")
     return paths
 
 

@@ -131,6 +131,10 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 = off)."""
 
+    def validate(self) -> None:
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"optimizer: need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
+
 
 @dataclass
 class TrainingConfig:
@@ -323,6 +327,186 @@ class EvaluationJobConfig:
 
 
 @dataclass
+class RewardConfig:
+    """How a rollout's sequence-level score is made (PPO, REINFORCE)."""
+
+    reward_model_weight: float = 1.0
+    """Weight of the reward model's score (needs a reward model; 0 = not used)."""
+    checker_weight: float = 0.0
+    """Weight of the verifiable reward: 1 when ``checker`` accepts the response (needs ``answer`` or a checker that
+    computes it), else 0."""
+    checker: str = "align_pipeline.data.demo_task:check"
+    """``module:function(prompt, response, answer) -> bool``."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of a response that stopped at ``max_new_tokens`` without EOS."""
+
+    def validate(self) -> None:
+        if self.reward_model_weight == 0 and self.checker_weight == 0:
+            raise ConfigError("reward: reward_model_weight and checker_weight are both 0 (no reward)")
+
+
+@dataclass
+class KLConfig:
+    """The KL-to-reference penalty of PPO's per-token rewards."""
+
+    estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token KL estimator (align_pipeline.rl.kl)."""
+    coef: float = 0.05
+    """beta: the initial (adaptive) or constant (fixed) coefficient."""
+    adaptive: bool = False
+    """Adaptive controller (Ziegler et al. 2019) driving the per-sequence KL towards ``target``."""
+    target: float = 6.0
+    """KL target in nats per sequence (adaptive only)."""
+    horizon: float = 10000.0
+    """Controller horizon in samples (adaptive only)."""
+
+
+@dataclass
+class RLLoopConfig:
+    """The iteration loop of the RL stages: rollouts, then updates on them."""
+
+    seed: int = 1234
+    """Seed for init, prompt order, sampling and minibatch order."""
+    iterations: int = 40
+    """Rollout + update iterations."""
+    prompts_per_iteration: int = 64
+    """Prompts per rollout over all data-parallel ranks (each gets ``generation.samples_per_prompt`` samples)."""
+    epochs: int = 1
+    """Passes over each rollout (PPO's ``ppo_epochs``)."""
+    minibatches: int = 1
+    """Optimizer steps per pass; the rollout is split into this many minibatches."""
+    micro_batch_size: int = 16
+    """Rows per forward/backward."""
+    log_interval: int = 1
+    """Iterations between progress lines / metric logs."""
+    eval_interval: int = 10
+    """Iterations between greedy validation passes on held-out prompts (0 = only at the end)."""
+    eval_prompts: int = 64
+    """Held-out prompts per validation pass."""
+    save_interval: int = 10
+    """Iterations between resumable checkpoints (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Training checkpoints kept (oldest deleted)."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in the run directory."""
+
+    def validate(self) -> None:
+        if self.iterations < 1 or self.epochs < 1 or self.minibatches < 1 or self.prompts_per_iteration < 1:
+            raise ConfigError("rl: iterations, epochs, minibatches and prompts_per_iteration must be >= 1")
+
+
+@dataclass
+class PPOLossConfig:
+    """PPO's clipped objective, GAE and whitening."""
+
+    clip_eps: float = 0.2
+    """Ratio clip epsilon of the policy loss."""
+    value_clip_eps: float = 0.2
+    """How far (in reward units) the value may move from its rollout estimate before clipping."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (0 = off; entropy is reported either way)."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the whole rollout (all DP ranks)."""
+
+
+@dataclass
+class OffloadConfig:
+    """Memory options for large models (no effect on CPU)."""
+
+    frozen_models: bool = False
+    """Keep the reference and reward model on the CPU except while they score a rollout."""
+    optimizer_states: bool = False
+    """Move the optimizers' Adam moments to the CPU while generating and scoring."""
+
+
+@dataclass(kw_only=True)
+class RLJobConfig:
+    """What both RL entry points need."""
+
+    run_dir: str
+    prompts: str
+    """Training prompts .jsonl (prompt, prompt_ids, optional answer)."""
+    val_prompts: str | None = None
+    """Held-out prompts .jsonl for the periodic greedy validation (None = no validation)."""
+    tokenizer: str
+    init_from: str
+    """The policy's starting checkpoint (normally sft_policy)."""
+    reference: str | None = None
+    """Frozen KL reference (None = ``init_from``)."""
+    reward_model: str | None = None
+    """Frozen reward model (value head); required when ``reward.reward_model_weight`` is not 0."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Only run-time choices apply (attention backend); the architecture comes from the checkpoints."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rl: RLLoopConfig = field(default_factory=RLLoopConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The policy's optimizer and schedule (over iterations x epochs x minibatches steps)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    lineage: dict[str, Any] = field(default_factory=dict)
+    stop_after_iterations: int | None = None
+    """Exit cleanly after this many iterations of *this* invocation (simulates an interruption; resume tests)."""
+
+    def validate(self) -> None:
+        if self.reward.reward_model_weight and self.reward_model is None:
+            raise ConfigError(f"{type(self).__name__}: reward.reward_model_weight is "
+                              f"{self.reward.reward_model_weight} but no reward_model is given")
+        if self.parallel.pipeline_model_parallel_size != 1:
+            raise ConfigError("RL stages generate rollouts, which needs pipeline_model_parallel_size 1")
+
+
+@dataclass(kw_only=True)
+class PPOJobConfig(RLJobConfig):
+    """``python -m align_pipeline.train.ppo``: actor (from init_from) + critic (from ``critic_init``) trained with PPO
+    against a frozen reference and reward model, all colocated in one job."""
+
+    critic_init: str | None = None
+    """The critic's starting checkpoint: a value-head checkpoint (normally the reward model) or an LM checkpoint
+    (a fresh value head); None = ``reward_model``."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    ppo: PPOLossConfig = field(default_factory=PPOLossConfig)
+    critic_optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        if (self.critic_init or self.reward_model) is None:
+            raise ConfigError("PPOJobConfig: the critic needs critic_init or reward_model")
+
+
+@dataclass
+class ReinforceLossConfig:
+    """The REINFORCE-family estimator."""
+
+    estimator: Literal["rloo", "grpo"] = "rloo"
+    """rloo: leave-one-out baseline (Ahmadian et al. 2024); grpo: group mean/std normalisation (Shao et al. 2024)."""
+    grpo_scale: bool = True
+    """GRPO: divide by the group std (False = Dr. GRPO)."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference loss term (0 = off; KL is reported either way)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Estimator of that term (k3 = DeepSeekMath eq. 4)."""
+    clip_eps: float = 0.2
+    """Ratio clip when a rollout is used for more than one optimizer step (epochs or minibatches > 1)."""
+
+
+@dataclass(kw_only=True)
+class ReinforceJobConfig(RLJobConfig):
+    """``python -m align_pipeline.train.reinforce``: RLOO / GRPO with ``generation.samples_per_prompt`` >= 2."""
+
+    loss: ReinforceLossConfig = field(default_factory=ReinforceLossConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.generation.samples_per_prompt < 2:
+            raise ConfigError("ReinforceJobConfig: group baselines need generation.samples_per_prompt >= 2")
+
+
+@dataclass
 class StageParams:
     """A training stage's section of ``parameters_<stage>.yml`` (the node adds model/parallel/launch and paths)."""
 
@@ -355,6 +539,37 @@ class DPOParams(StageParams):
     """Cached reference log-probs, one file per (reference checkpoint, preference data, tokenizer)."""
     reference_micro_batch_size: int = 32
     """Pairs per forward when computing reference log-probs."""
+
+
+@dataclass
+class RLParams:
+    """What the PPO and REINFORCE sections share (the node adds model/parallel/launch, paths and lineage)."""
+
+    rl: RLLoopConfig = field(default_factory=RLLoopConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    init_from: str | None = None
+    """Override the policy's starting model; None = sft_policy."""
+    runs_dir: str = "data/06_models/_runs"
+    keep_run_dir: bool = False
+
+
+@dataclass
+class PPOParams(RLParams):
+    """``params:ppo``."""
+
+    kl: KLConfig = field(default_factory=KLConfig)
+    ppo: PPOLossConfig = field(default_factory=PPOLossConfig)
+    critic_optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+
+@dataclass
+class ReinforceParams(RLParams):
+    """``params:reinforce``."""
+
+    loss: ReinforceLossConfig = field(default_factory=ReinforceLossConfig)
 
 
 @dataclass
@@ -471,12 +686,24 @@ __all__ = [
     "EvaluationJobConfig",
     "EvaluationParams",
     "GenerationConfig",
+    "KLConfig",
     "LaunchConfig",
     "ModelConfig",
+    "OffloadConfig",
     "OptimizerConfig",
+    "PPOJobConfig",
+    "PPOLossConfig",
+    "PPOParams",
     "ParallelConfig",
     "PreferenceLossConfig",
+    "RLJobConfig",
+    "RLLoopConfig",
+    "RLParams",
     "ReferenceLogpsJobConfig",
+    "ReinforceJobConfig",
+    "ReinforceLossConfig",
+    "ReinforceParams",
+    "RewardConfig",
     "RewardHeadConfig",
     "RewardModelJobConfig",
     "RewardModelParams",

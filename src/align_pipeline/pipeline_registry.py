@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kedro.pipeline import Pipeline
 
-from align_pipeline.pipelines import data_prep, dpo, evaluation, reward_model, sft
+from align_pipeline.pipelines import data_prep, dpo, evaluation, ppo, reinforce, reward_model, sft
 
 
 def register_pipelines() -> dict[str, Pipeline]:
@@ -17,14 +17,17 @@ def register_pipelines() -> dict[str, Pipeline]:
         "sft": sft.create_pipeline(),
         "reward_model": reward_model.create_pipeline(),
         "dpo": dpo.create_pipeline(),
+        "ppo": ppo.create_pipeline(),
+        "reinforce": reinforce.create_pipeline(),
         "evaluation": evaluation.create_pipeline(),
     }
     # Each composition evaluates the policies it trains and uses a reward model only if it trains one.
-    # (rlhf gains its ppo stage and ppo_policy with the PPO issue.)
     compositions = {
-        "rlhf": stages["data_prep"] + stages["sft"] + stages["reward_model"]
-        + evaluation.create_pipeline(policies=["sft_policy"], reward_model=True),
+        "rlhf": stages["data_prep"] + stages["sft"] + stages["reward_model"] + stages["ppo"]
+        + evaluation.create_pipeline(policies=["sft_policy", "ppo_policy"], reward_model=True),
         "dpo_flow": stages["data_prep"] + stages["sft"] + stages["dpo"]
         + evaluation.create_pipeline(policies=["sft_policy", "dpo_policy"], reward_model=False),
     }
-    return {**stages, **compositions, "__default__": sum(stages.values(), Pipeline([]))}
+    # reinforce_rm: the reinforce stage with the catalog's reward model wired in (reward.reward_model_weight > 0).
+    return {**stages, **compositions, "reinforce_rm": reinforce.create_pipeline(reward_model=True),
+            "__default__": sum(stages.values(), Pipeline([]))}

@@ -13,6 +13,8 @@ from align_pipeline.config import (
     LaunchConfig,
     ModelConfig,
     ParallelConfig,
+    PPOParams,
+    ReinforceParams,
     RewardModelParams,
     StageParams,
     from_dict,
@@ -26,6 +28,8 @@ PARAM_SCHEMAS: dict[str, Any] = {
     "sft": StageParams,
     "reward_model": RewardModelParams,
     "dpo": DPOParams,
+    "ppo": PPOParams,
+    "reinforce": ReinforceParams,
     "evaluation": EvaluationParams,
     "data_prep": "align_pipeline.data.tokenize:DataPrepConfig",
 }

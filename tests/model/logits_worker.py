@@ -1,6 +1,6 @@
 """torchrun worker for tests: load a model checkpoint at some TP/PP and write its logits on fixed tokens.
 
-    {"run_dir": ..., "checkpoint": ..., "parallel": {...}, "tokens": [[...]]}  ->  run_dir/result.json {"logits": ...}
+    {"run_dir": ..., "checkpoint": ..., "parallel": {...}, "tokens": [[...]], "head"?: "lm" | "value"}  ->  run_dir/result.json {"logits": ...}
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main() -> None:
     parallel = from_dict(ParallelConfig, cfg["parallel"])
     dist = init_distributed(parallel, seed=0)
     source = init.resolve(cfg["checkpoint"], ModelConfig(), tokenizer_vocab_size=0)
-    model = init.build_model(source, parallel, dist)
+    model = init.build_model(source, parallel, dist, head=cfg.get("head", "lm"))
     model.eval()
     tokens = torch.tensor(cfg["tokens"], dtype=torch.long)
     assert dist.pp_size == 1, "this worker runs PP=1 only"

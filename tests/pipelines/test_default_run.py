@@ -1,4 +1,4 @@
-"""The embedded default end to end (`kedro run`): data_prep -> sft -> reward_model -> dpo -> evaluation.
+"""The embedded default end to end (`kedro run`): data_prep -> sft -> reward_model -> dpo, ppo, reinforce -> evaluation.
 
 Real Megatron-core jobs on CPU with the shipped config, through a KedroSession on a temp copy of the project. The
 thresholds were measured over several seeds (see the closing note of the issue that introduced them and
@@ -15,10 +15,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the whole default run happens in the first test
 
 RM_ACCURACY_MIN = 0.56        # lowest seed 0.620; chance is 0.5
-DPO_OVER_SFT_MIN = 0.03       # DPO accuracy - SFT accuracy (sampled, T=1) on held-out prompts; lowest seed 0.078
+# Policy accuracy - SFT accuracy (sampled, T=1) on the held-out prompts, each margin below its lowest seed.
+DPO_OVER_SFT_MIN = 0.03       # lowest seed 0.078
+PPO_OVER_SFT_MIN = 0.10       # seeds: see the closing note of the PPO/REINFORCE issue
+REINFORCE_OVER_SFT_MIN = 0.10
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +67,15 @@ def test_report_shows_rm_above_chance_and_dpo_above_sft(default_run):
     assert dpo["kl_to_reference"] > 0
 
 
+def test_report_shows_ppo_and_reinforce_above_sft(default_run):
+    root, _ = default_run
+    policies = _report(root)["policies"]
+    sft, ppo, reinforce = policies["sft"], policies["ppo"], policies["reinforce"]
+    assert ppo["accuracy"] >= sft["accuracy"] + PPO_OVER_SFT_MIN, (sft["accuracy"], ppo["accuracy"])
+    assert reinforce["accuracy"] >= sft["accuracy"] + REINFORCE_OVER_SFT_MIN, (sft["accuracy"], reinforce["accuracy"])
+    assert ppo["kl_to_reference"] > 0 and reinforce["kl_to_reference"] > 0
+
+
 def test_every_stage_has_a_child_run_with_metrics_and_the_report_is_logged(default_run):
     import mlflow
     from mlflow import MlflowClient
@@ -73,9 +85,13 @@ def test_every_stage_has_a_child_run_with_metrics_and_the_report_is_logged(defau
     exp = client.get_experiment_by_name("default-run")
     runs = client.search_runs([exp.experiment_id])
     children = {r.info.run_name: r for r in runs if "mlflow.parentRunId" in r.data.tags}
-    for node in ("train_sft", "train_reward_model", "compute_reference_logps", "train_dpo", "evaluate_policies"):
+    for node in ("train_sft", "train_reward_model", "compute_reference_logps", "train_dpo", "train_ppo",
+                 "train_reinforce", "evaluate_policies"):
         assert children[node].info.status == "FINISHED", node
     assert [m.step for m in client.get_metric_history(children["train_dpo"].info.run_id, "loss")][-1] > 0
+    for node in ("train_ppo", "train_reinforce"):  # RL metrics along the iterations (every log_interval)
+        steps = [m.step for m in client.get_metric_history(children[node].info.run_id, "rollout/rewards_mean")]
+        assert len(steps) >= 10 and steps == sorted(set(steps)), (node, steps)
     assert "val_accuracy" in children["train_reward_model"].data.metrics
     ev = children["evaluate_policies"]
     assert "dpo/accuracy" in ev.data.metrics and "reward_model/accuracy" in ev.data.metrics

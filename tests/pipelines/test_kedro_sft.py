@@ -98,15 +98,55 @@ TINY_STAGE = {"training": {"train_steps": 4, "global_batch_size": 8, "micro_batc
                            "eval_interval": 0, "eval_samples": 16, "save_interval": 0}}
 
 
-@pytest.mark.parametrize("composition, policies, with_rm", [("dpo_flow", {"sft", "dpo"}, False),
-                                                            ("rlhf", {"sft"}, True)])
-def test_compositions_run_on_a_fresh_project(project, composition, policies, with_rm):
-    """Each composition produces everything its evaluation needs (nothing from another flow)."""
-    fast = {**FAST, "reward_model": TINY_STAGE, "dpo": TINY_STAGE,
+TINY_RL = {"rl": {"iterations": 3, "prompts_per_iteration": 8, "epochs": 1, "minibatches": 2, "micro_batch_size": 4,
+                  "log_interval": 1, "eval_interval": 2, "eval_prompts": 8, "save_interval": 2},
+           "generation": {"max_new_tokens": 8}}
+
+
+def _fast_flows(project: Path) -> None:
+    fast = {**FAST, "reward_model": TINY_STAGE, "dpo": TINY_STAGE, "ppo": TINY_RL,
+            "reinforce": {**TINY_RL, "generation": {"max_new_tokens": 8, "samples_per_prompt": 4}},
             "evaluation": {"generation": {"samples_per_prompt": 1, "max_new_tokens": 8}, "greedy": False}}
     (project / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(fast))
-    _run(project, composition)
+
+
+def _report_policies(project: Path) -> tuple[set[str], dict]:
     (version,) = sorted((project / "data" / "08_reporting" / "eval_report").iterdir())
     report = json.loads((version / "eval_report" / "report.json").read_text())
-    assert set(report["policies"]) == policies
-    assert ("reward_model" in report) == with_rm
+    return set(report["policies"]), report
+
+
+def test_dpo_flow_runs_on_a_fresh_project(project):
+    """The composition produces everything its evaluation needs (nothing from another flow) and no reward model."""
+    _fast_flows(project)
+    _run(project, "dpo_flow")
+    policies, report = _report_policies(project)
+    assert policies == {"sft", "dpo"} and "reward_model" not in report
+
+
+def test_rlhf_on_a_fresh_project_then_reinforce_on_its_sft_policy(project):
+    """rlhf = data_prep -> sft -> reward_model -> ppo -> evaluation; then the reinforce stage alone reuses sft_policy.
+    MLflow has the RL metrics of every iteration on the stage's child run."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    _fast_flows(project)
+    _run(project, "rlhf")
+    policies, report = _report_policies(project)
+    assert policies == {"sft", "ppo"} and "reward_model" in report
+    models = project / "data" / "06_models"
+    assert len(list((models / "ppo_policy").iterdir())) == 1 and len(list((models / "ppo_critic").iterdir())) == 1
+    outputs = _run(project, "reinforce")
+    (version,) = sorted((models / "reinforce_policy").iterdir())
+    meta = json.loads((version / "reinforce_policy" / "meta.json").read_text())
+    assert meta["stage"] == "reinforce" and meta["lineage"]["parent"]["path"].endswith("sft_policy")
+    assert outputs["reinforce_metrics"].load()["iterations"] == 3.0
+
+    client = MlflowClient(tracking_uri=mlflow.get_tracking_uri())
+    runs = client.search_runs([client.get_experiment_by_name("test-sft").experiment_id])
+    child = {r.info.run_name: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    for node, key in (("train_ppo", "critic/value_loss"), ("train_reinforce", "train/pg_loss")):
+        for name in (key, "rollout/rewards_mean", "rollout/init_policy_kl", "timing/generate_s"):
+            history = client.get_metric_history(child[node].info.run_id, name)
+            assert [m.step for m in history] == [1, 2, 3], (node, name)
+        assert "val/greedy_accuracy" in child[node].data.metrics

@@ -50,13 +50,18 @@ def iteration_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"iter_{step:07d}"
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The complete training checkpoint with the highest step under ``run_dir/checkpoints``, or None."""
+def complete_checkpoints(run_dir: str | os.PathLike) -> dict[int, Path]:
+    """step -> directory of every complete training checkpoint under ``run_dir/checkpoints``."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _ITER_RE.match(p.name)) and is_checkpoint(p)]
-    return max(found)[1] if found else None
+        return {}
+    return {int(m.group(1)): p for p in root.iterdir() if (m := _ITER_RE.match(p.name)) and is_checkpoint(p)}
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The complete training checkpoint with the highest step under ``run_dir/checkpoints``, or None."""
+    found = complete_checkpoints(run_dir)
+    return found[max(found)] if found else None
 
 
 def _unwrap(model):

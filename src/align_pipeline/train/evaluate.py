@@ -11,7 +11,6 @@ the reward model's accuracy on held-out preference pairs. Rank 0 writes ``report
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from pathlib import Path
@@ -30,25 +29,7 @@ from align_pipeline.tracking import RunLogger
 from align_pipeline.train import loop
 from align_pipeline.train.distributed import init_distributed, shutdown
 from align_pipeline.train.reward_model import pair_batch, sequence_rewards
-
-
-def load_checker(spec: str):
-    module, name = spec.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def to_rows(prompt_ids: list[list[int]], responses: list[list[int]], seq_length: int, pad_id: int) -> dict:
-    """prompt + response token lists -> right-padded input_ids/labels/loss_mask [n, s] (loss on response tokens)."""
-    n = len(prompt_ids)
-    ids = np.full((n, seq_length), pad_id, dtype=np.int64)
-    mask = np.zeros((n, seq_length), dtype=np.float32)
-    for i, (p, r) in enumerate(zip(prompt_ids, responses)):
-        seq = (p + r)[:seq_length]
-        ids[i, : len(seq)] = seq
-        mask[i, len(p) - 1 : len(seq) - 1] = 1.0  # label t = token t+1 is a response token
-    labels = np.full_like(ids, pad_id)
-    labels[:, :-1] = ids[:, 1:]
-    return {"input_ids": ids, "labels": labels, "loss_mask": mask}
+from align_pipeline.train.rollout import load_checker, to_rows
 
 
 def per_sample(model, rows: dict, fn, mb: int, dist) -> np.ndarray:

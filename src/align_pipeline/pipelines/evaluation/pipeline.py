@@ -2,8 +2,8 @@ from kedro.pipeline import Pipeline, node, pipeline
 
 from .nodes import evaluate_policies
 
-# Policies the full report compares; a stage added later (ppo, reinforce) adds its output here.
-POLICIES = ["sft_policy", "dpo_policy"]
+# Policies the full report compares (a new policy-training stage adds its output here).
+POLICIES = ["sft_policy", "dpo_policy", "ppo_policy", "reinforce_policy"]
 
 
 def create_pipeline(policies: list[str] | None = None, reward_model: bool = True, **kwargs) -> Pipeline:

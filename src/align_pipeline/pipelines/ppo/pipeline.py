@@ -1,0 +1,17 @@
+from kedro.pipeline import Pipeline, node, pipeline
+
+from .nodes import train_ppo
+
+
+def create_pipeline(**kwargs) -> Pipeline:
+    return pipeline(
+        [
+            node(
+                train_ppo,
+                inputs=["tokenizer", "prompts_train", "prompts_val", "sft_policy", "reward_model", "params:model",
+                        "params:parallel", "params:launch", "params:ppo"],
+                outputs=["ppo_policy", "ppo_critic", "ppo_metrics"],
+                name="train_ppo",
+            )
+        ]
+    )

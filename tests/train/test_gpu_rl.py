@@ -1,0 +1,101 @@
+"""PPO and REINFORCE iterations on one GPU with NCCL and bf16 (skipped without CUDA), with a ~180M-parameter
+Llama-style model so the timings (generation vs training) mean something. Run with ``-s`` to see them:
+
+    pytest tests/train/test_gpu_rl.py -m gpu -s
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from jobs import make_pref_data, make_prompts, make_sft_data, run_sft, sft_job
+
+from align_pipeline.config import (
+    GenerationConfig,
+    LaunchConfig,
+    ModelConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PPOJobConfig,
+    ReinforceJobConfig,
+    RewardConfig,
+    RewardModelJobConfig,
+    RLLoopConfig,
+    TrainingConfig,
+    to_dict,
+)
+from align_pipeline.launch import run_torchrun
+
+pytestmark = pytest.mark.gpu
+
+MODEL = ModelConfig(num_layers=16, hidden_size=1024, num_attention_heads=16, num_query_groups=4, ffn_hidden_size=2816,
+                    seq_length=160)
+BF16 = ParallelConfig(bf16=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_rl")
+    data = make_sft_data(root / "data")
+    pref = make_pref_data(root / "data", data["tokenizer"])
+    prompts = make_prompts(root / "data", data["tokenizer"])
+    # One step at a negligible learning rate: a near-random policy rarely samples EOS, so rollouts run to (or near)
+    # max_new_tokens and the timings measure long generations rather than the demo task's 4-token answers.
+    sft = run_sft(sft_job(data, root / "sft", model=MODEL, parallel={"bf16": True}, training={
+        "train_steps": 1, "global_batch_size": 64, "micro_batch_size": 32, "log_interval": 1,
+        "optimizer": OptimizerConfig(lr=1e-9, min_lr=0.0, warmup_steps=0)}))
+    rm_dir = root / "rm"
+    rm_dir.mkdir()
+    rm = run_torchrun("align_pipeline.train.reward_model", to_dict(RewardModelJobConfig(
+        run_dir=str(rm_dir), train_data=pref["train"], val_data=pref["val"], tokenizer=data["tokenizer"],
+        init_from=sft["model_dir"], model=MODEL, parallel=BF16,
+        training=TrainingConfig(train_steps=5, global_batch_size=32, micro_batch_size=16, eval_interval=0,
+                                eval_samples=64, save_interval=0))), LaunchConfig(), rm_dir)
+    return {"tokenizer": data["tokenizer"], "prompts": prompts, "sft": sft["model_dir"], "rm": rm["model_dir"]}
+
+
+def _fields(models, run_dir: Path, samples: int, prompts: int) -> dict:
+    return {
+        "run_dir": str(run_dir), "prompts": models["prompts"]["train"], "val_prompts": models["prompts"]["val"],
+        "tokenizer": models["tokenizer"], "init_from": models["sft"], "reward_model": models["rm"],
+        "model": ModelConfig(attention_backend="sdpa"), "parallel": BF16,
+        "rl": RLLoopConfig(iterations=2, prompts_per_iteration=prompts, epochs=1, minibatches=4, micro_batch_size=32,
+                           eval_interval=0, eval_prompts=64, save_interval=0),
+        "generation": GenerationConfig(max_new_tokens=128, samples_per_prompt=samples, batch_size=256),
+        "reward": RewardConfig(reward_model_weight=1.0, checker_weight=1.0),
+        "optimizer": OptimizerConfig(lr=1e-6, min_lr=1e-7, warmup_steps=0),
+    }
+
+
+def _run(module: str, job, run_dir: Path) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_torchrun(f"align_pipeline.train.{module}", to_dict(job), LaunchConfig(), run_dir)
+
+
+def _report(name: str, result: dict) -> None:
+    for h in result["history"]:
+        assert all(math.isfinite(v) for v in h.values()), h
+        keys = ("timing/generate_s", "timing/score_s", "timing/train_s", "timing/iteration_s",
+                "throughput/generated_tokens_per_s", "throughput/train_tokens_per_s", "rollout/response_lengths")
+        print(f"\n[{name}] iteration {h['iteration']}: " + json.dumps({k: round(h[k], 3) for k in keys}), flush=True)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_ppo_iteration_on_one_gpu(models, tmp_path, offload):
+    job = PPOJobConfig(**_fields(models, tmp_path / "ppo", samples=1, prompts=256),
+                       critic_optimizer=OptimizerConfig(lr=1e-6, min_lr=1e-7, warmup_steps=0),
+                       offload=OffloadConfig(frozen_models=offload, optimizer_states=offload))
+    result = _run("ppo", job, tmp_path / "ppo")
+    _report(f"ppo offload={offload}", result)
+    assert Path(result["actor_dir"], "meta.json").is_file() and Path(result["critic_dir"], "meta.json").is_file()
+
+
+def test_reinforce_iteration_on_one_gpu(models, tmp_path):
+    fields = _fields(models, tmp_path / "rf", samples=4, prompts=64)
+    fields["reward"] = RewardConfig(reward_model_weight=0.0, checker_weight=1.0)
+    result = _run("reinforce", ReinforceJobConfig(**fields), tmp_path / "rf")
+    _report("reinforce", result)

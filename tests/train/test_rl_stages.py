@@ -1,0 +1,183 @@
+"""PPO and REINFORCE (RLOO / GRPO) entry points as real torchrun jobs on CPU (gloo): one iteration's effects, TP=2
+against TP=1, and resume equality. Models: a tiny SFT policy and a reward model trained here on the demo data."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+from jobs import TINY_MODEL, make_pref_data, make_prompts, make_sft_data, run_sft, sft_job
+
+from align_pipeline.config import (
+    GenerationConfig,
+    KLConfig,
+    LaunchConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PPOJobConfig,
+    PPOLossConfig,
+    ReinforceJobConfig,
+    ReinforceLossConfig,
+    RewardConfig,
+    RewardModelJobConfig,
+    RLLoopConfig,
+    TrainingConfig,
+    to_dict,
+)
+from align_pipeline.launch import run_torchrun
+
+HERE = Path(__file__).resolve().parent
+# Per-iteration numbers that are not timings (those differ run to run).
+DETERMINISTIC = ("rollout/", "train/", "critic/", "val/")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl")
+    data = make_sft_data(root / "data")
+    pref = make_pref_data(root / "data", data["tokenizer"])
+    prompts = make_prompts(root / "data", data["tokenizer"])
+    sft = run_sft(sft_job(data, root / "sft", training={"train_steps": 30, "global_batch_size": 16}))
+    rm_job = RewardModelJobConfig(
+        run_dir=str(root / "rm"), train_data=pref["train"], val_data=pref["val"], tokenizer=data["tokenizer"],
+        init_from=sft["model_dir"], model=TINY_MODEL,
+        training=TrainingConfig(seed=3, train_steps=4, global_batch_size=8, micro_batch_size=4, eval_interval=0,
+                                eval_samples=16, save_interval=0, optimizer=OptimizerConfig(lr=1e-3, warmup_steps=1)),
+    )
+    Path(rm_job.run_dir).mkdir(parents=True)
+    rm = run_torchrun("align_pipeline.train.reward_model", to_dict(rm_job), LaunchConfig(), rm_job.run_dir)
+    return {"tokenizer": data["tokenizer"], "prompts": prompts, "sft": sft["model_dir"], "rm": rm["model_dir"]}
+
+
+def _rl_fields(models, run_dir: Path, iterations: int) -> dict:
+    return {
+        "run_dir": str(run_dir), "prompts": models["prompts"]["train"], "val_prompts": models["prompts"]["val"],
+        "tokenizer": models["tokenizer"], "init_from": models["sft"], "model": TINY_MODEL,
+        "rl": RLLoopConfig(seed=11, iterations=iterations, prompts_per_iteration=8, epochs=2, minibatches=2,
+                           micro_batch_size=2, eval_interval=0, eval_prompts=8, save_interval=0),
+        "generation": GenerationConfig(max_new_tokens=8, samples_per_prompt=1, seed=5),
+        "optimizer": OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=0),
+    }
+
+
+def ppo_job(models, run_dir: Path, iterations: int = 2, **overrides) -> PPOJobConfig:
+    job = PPOJobConfig(
+        **_rl_fields(models, run_dir, iterations), reward_model=models["rm"],
+        reward=RewardConfig(reward_model_weight=1.0, checker_weight=1.0, missing_eos_penalty=0.5),
+        kl=KLConfig(coef=0.1, adaptive=True, target=0.5, horizon=100.0),
+        ppo=PPOLossConfig(entropy_coef=0.01), critic_optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0),
+    )
+    return dataclasses.replace(job, **overrides)
+
+
+def reinforce_job(models, run_dir: Path, iterations: int = 2, **overrides) -> ReinforceJobConfig:
+    fields = _rl_fields(models, run_dir, iterations)
+    fields["generation"] = dataclasses.replace(fields["generation"], samples_per_prompt=4)
+    job = ReinforceJobConfig(**fields, reward=RewardConfig(reward_model_weight=0.0, checker_weight=1.0),
+                             loss=ReinforceLossConfig(estimator="grpo", kl_coef=0.05))
+    return dataclasses.replace(job, **overrides)
+
+
+def run(module: str, job, nproc: int = 1) -> dict:
+    Path(job.run_dir).mkdir(parents=True, exist_ok=True)
+    return run_torchrun(f"align_pipeline.train.{module}", to_dict(job), LaunchConfig(nproc_per_node=nproc),
+                        job.run_dir)
+
+
+def outputs_of(model_dir: str, run_dir: Path, head: str = "lm", nproc: int = 1, parallel: dict | None = None):
+    """The model's outputs (logits or values) on fixed tokens, via the test logits worker."""
+    cfg = {"run_dir": str(run_dir), "checkpoint": model_dir, "parallel": parallel or {}, "head": head,
+           "tokens": [[1, 18, 21, 21, 17, 5, 9, 9, 6, 15, 16, 4, 12, 2]]}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg))
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                    str(HERE.parent / "model" / "logits_worker.py"), "--config", str(run_dir / "config.json")],
+                   check=True, capture_output=True)
+    return json.loads((run_dir / "result.json").read_text())["logits"]
+
+
+def _tree_hash(path: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(path).rglob("*")):
+        if f.is_file():
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _max_diff(a, b) -> float:
+    import numpy as np
+
+    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
+
+
+def _deterministic(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in h.items() if k.startswith(DETERMINISTIC)} for h in history]
+
+
+def test_one_ppo_iteration_trains_actor_and_critic_and_leaves_reference_and_rm_alone(models, tmp_path):
+    before = {k: _tree_hash(models[k]) for k in ("sft", "rm")}
+    result = run("ppo", ppo_job(models, tmp_path / "ppo", iterations=1))
+    (it,) = result["history"]
+    assert all(math.isfinite(v) for v in it.values()), it
+    for key in ("rollout/rewards_mean", "rollout/rewards_std", "rollout/rewards_with_kl", "rollout/init_policy_kl",
+                "rollout/response_lengths", "rollout/fraction_of_samples_properly_ended", "rollout/advantages_mean",
+                "rollout/returns_std", "rollout/values_mean", "train/policy_loss", "train/clip_fraction",
+                "train/approx_kl", "train/entropy", "train/grad_norm", "train/lr", "critic/value_loss",
+                "critic/grad_norm", "timing/generate_s", "timing/train_s", "throughput/generated_tokens_per_s",
+                "rollout/kl_coef"):
+        assert key in it, key
+    assert it["rollout/init_policy_kl"] == pytest.approx(0.0, abs=1e-5)  # the actor starts as the reference
+    assert it["train/entropy"] > 0 and it["train/grad_norm"] > 0 and it["critic/grad_norm"] > 0
+    # the frozen inputs are untouched; the exported actor and critic moved away from them
+    assert {k: _tree_hash(models[k]) for k in ("sft", "rm")} == before
+    actor = outputs_of(result["actor_dir"], tmp_path / "o1")
+    sft = outputs_of(models["sft"], tmp_path / "o2")
+    critic = outputs_of(result["critic_dir"], tmp_path / "o3", head="value")
+    rm = outputs_of(models["rm"], tmp_path / "o4", head="value")
+    assert _max_diff(actor, sft) > 1e-3 and _max_diff(critic, rm) > 1e-3
+    meta = json.loads((Path(result["critic_dir"]) / "meta.json").read_text())
+    assert meta["head"] == "value" and meta["stage"] == "ppo" and meta["lineage"]["reward_model"] == models["rm"]
+
+
+def test_ppo_tensor_parallel_matches_one_rank(models, tmp_path):
+    one = run("ppo", ppo_job(models, tmp_path / "tp1", iterations=2))
+    two = run("ppo", ppo_job(models, tmp_path / "tp2", iterations=2,
+                             parallel=ParallelConfig(tensor_model_parallel_size=2)), nproc=2)
+    for a, b in zip(_deterministic(one["history"]), _deterministic(two["history"])):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-4), (k, a[k], b[k])
+    assert _max_diff(outputs_of(one["actor_dir"], tmp_path / "l1"), outputs_of(two["actor_dir"], tmp_path / "l2")) < 1e-3
+
+
+@pytest.mark.parametrize("module", ["ppo", "reinforce"])
+def test_resume_after_interruption_continues_with_identical_metrics(models, tmp_path, module):
+    make = ppo_job if module == "ppo" else reinforce_job
+    full = run(module, make(models, tmp_path / "full", iterations=3))
+    stopped = run(module, make(models, tmp_path / "resumed", iterations=3, stop_after_iterations=1))
+    assert stopped["stopped_at_iteration"] == 1
+    resumed = run(module, make(models, tmp_path / "resumed", iterations=3))
+    assert [h["iteration"] for h in resumed["history"]] == [2, 3]
+    assert _deterministic(resumed["history"]) == _deterministic(full["history"][1:])  # exact, not approximate
+    assert _deterministic(stopped["history"]) == _deterministic(full["history"][:1])
+    assert outputs_of(resumed["actor_dir"], tmp_path / "a") == outputs_of(full["actor_dir"], tmp_path / "b")
+
+
+def test_reinforce_rloo_single_step_and_data_parallel(models, tmp_path):
+    """On-policy RLOO (one step per rollout: no ratio) on two DP ranks; groups stay whole on a rank."""
+    job = reinforce_job(models, tmp_path / "rloo", iterations=2,
+                        loss=ReinforceLossConfig(estimator="rloo"),
+                        rl=RLLoopConfig(seed=3, iterations=2, prompts_per_iteration=8, epochs=1, minibatches=1,
+                                        micro_batch_size=8, eval_interval=1, eval_prompts=8, save_interval=0))
+    result = run("reinforce", job, nproc=2)
+    first = result["history"][0]
+    assert "train/clip_fraction" not in first and "train/pg_loss" in first
+    assert first["rollout/advantages_mean"] == pytest.approx(0.0, abs=1e-6)  # RLOO advantages sum to 0 per group
+    assert 0.0 <= result["val/greedy_accuracy"] <= 1.0 and "val/accuracy" in result["history"][0]
