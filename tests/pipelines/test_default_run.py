@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the whole default 
 RM_ACCURACY_MIN = 0.56        # lowest seed 0.620; chance is 0.5
 # Policy accuracy - SFT accuracy (sampled, T=1) on the held-out prompts, each margin below its lowest seed.
 DPO_OVER_SFT_MIN = 0.03       # lowest seed 0.078
-PPO_OVER_SFT_MIN = 0.10       # seeds: see the closing note of the PPO/REINFORCE issue
-REINFORCE_OVER_SFT_MIN = 0.10
+PPO_OVER_SFT_MIN = 0.12       # lowest seed 0.204 (seeds 0-3: 0.250, 0.301, 0.307, 0.204)
+REINFORCE_OVER_SFT_MIN = 0.15  # lowest seed 0.254 (seeds 0-3: 0.284, 0.314, 0.364, 0.254)
 
 
 @pytest.fixture(scope="module")
