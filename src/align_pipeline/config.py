@@ -622,7 +622,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-        key_tp, val_tp = get_args(tp) or (Any, Any)
+        _, val_tp = get_args(tp) or (Any, Any)
         return {k: _convert(v, val_tp, f"{where}.{k}") for k, v in value.items()}
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

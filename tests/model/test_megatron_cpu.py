@@ -9,15 +9,13 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 
 def run_py(code: str, env_extra: dict[str, str] | None = None) -> str:
     import os
 
     env = {**os.environ, **(env_extra or {})}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False, capture_output=True, text=True,
+                         env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 

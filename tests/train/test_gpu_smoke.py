@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from jobs import losses, make_sft_data, run_sft, sft_job
 
 pytestmark = pytest.mark.gpu

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jobs import make_pref_data, make_sft_data, run_sft, sft_job
 
 from align_pipeline.config import LaunchConfig
 from align_pipeline.data.formats import Artifact, load_artifact, save_npz
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.launch import run_torchrun
 from align_pipeline.pipelines.dpo.nodes import compute_reference_logps
-from jobs import make_pref_data, make_sft_data, run_sft, sft_job
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parents[1]

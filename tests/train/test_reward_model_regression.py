@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jobs import RAW, TINY_MODEL, make_sft_data, run_sft, sft_job
 
 from align_pipeline.config import LaunchConfig, RewardHeadConfig, RewardModelJobConfig, TrainingConfig, to_dict
 from align_pipeline.data import demo_task
@@ -16,7 +17,6 @@ from align_pipeline.data.schemas import DataValidationError, read_raw_jsonl
 from align_pipeline.data.tokenize import DataPrepConfig, encode, split_encoded
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.launch import run_torchrun
-from jobs import RAW, TINY_MODEL, make_sft_data, run_sft, sft_job
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from jobs import assert_close, losses, make_sft_data, run_sft, sft_job
-from align_pipeline.launch import run_torchrun
+
 from align_pipeline.config import LaunchConfig
+from align_pipeline.launch import run_torchrun
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parents[1]

@@ -31,7 +31,7 @@ def have_transformer_engine() -> bool:
         return False
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # a broken TE install must not stop a run: fall back to SDPA
+    except Exception:  # noqa: BLE001 -- a broken TE install must not stop a run: fall back to SDPA
         return False
     return True
 
@@ -63,42 +63,42 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides
     """
     on_gpu = torch.cuda.is_available()
     recompute = parallel.recompute_granularity
-    kwargs = dict(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups or model.num_attention_heads,
-        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
-        normalization=model.normalization,
-        layernorm_epsilon=model.norm_epsilon,
-        gated_linear_unit=model.activation == "swiglu",
-        activation_func=F.silu if model.activation == "swiglu" else F.gelu,
-        add_bias_linear=model.add_bias_linear,
-        add_qkv_bias=model.add_qkv_bias,
-        init_method_std=model.init_method_std,
-        attention_dropout=model.attention_dropout,
-        hidden_dropout=model.hidden_dropout,
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        sequence_parallel=parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1,
-        bf16=parallel.bf16,
-        params_dtype=torch.bfloat16 if parallel.bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if parallel.bf16 else torch.float32,
+    kwargs = {
+        "num_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_query_groups": model.num_query_groups or model.num_attention_heads,
+        "ffn_hidden_size": model.ffn_hidden_size or 4 * model.hidden_size,
+        "normalization": model.normalization,
+        "layernorm_epsilon": model.norm_epsilon,
+        "gated_linear_unit": model.activation == "swiglu",
+        "activation_func": F.silu if model.activation == "swiglu" else F.gelu,
+        "add_bias_linear": model.add_bias_linear,
+        "add_qkv_bias": model.add_qkv_bias,
+        "init_method_std": model.init_method_std,
+        "attention_dropout": model.attention_dropout,
+        "hidden_dropout": model.hidden_dropout,
+        "tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+        "sequence_parallel": parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1,
+        "bf16": parallel.bf16,
+        "params_dtype": torch.bfloat16 if parallel.bf16 else torch.float32,
+        "pipeline_dtype": torch.bfloat16 if parallel.bf16 else torch.float32,
         # CPU runs build weights on the host; with it, TP shards are slices of one master init (TP-invariant init).
-        use_cpu_initialization=not on_gpu,
-        perform_initialization=True,
-        calculate_per_token_loss=True,
+        "use_cpu_initialization": not on_gpu,
+        "perform_initialization": True,
+        "calculate_per_token_loss": True,
         # Fusions that need CUDA kernels (or Apex/TE) are off; SDPA provides the fused attention.
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        recompute_granularity=None if recompute == "none" else recompute,
-        recompute_method="uniform" if recompute == "full" else None,
-        recompute_num_layers=parallel.recompute_num_layers if recompute == "full" else None,
-    )
+        "masked_softmax_fusion": False,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "persist_layer_norm": False,
+        "recompute_granularity": None if recompute == "none" else recompute,
+        "recompute_method": "uniform" if recompute == "full" else None,
+        "recompute_num_layers": parallel.recompute_num_layers if recompute == "full" else None,
+    }
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

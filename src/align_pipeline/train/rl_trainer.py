@@ -65,11 +65,6 @@ class RLContext:
     steps_per_iteration: int
     """Optimizer steps per iteration: epochs x minibatches."""
 
-    @property
-    def rows_per_iteration(self) -> int:
-        """Rollout rows on this DP rank."""
-        return self.job.rl.prompts_per_iteration // self.dist.dp_size * self.job.generation.samples_per_prompt
-
 
 def setup(job: RLJobConfig, stage: str) -> RLContext:
     """Process groups, tokenizer, prompts, the actor (trainable), the frozen reference and reward model."""
