@@ -76,6 +76,18 @@ def test_report_shows_ppo_and_reinforce_above_sft(default_run):
     assert ppo["kl_to_reference"] > 0 and reinforce["kl_to_reference"] > 0
 
 
+def test_report_ranks_the_policies(default_run):
+    root, _ = default_run
+    (version,) = sorted((root / "data" / "08_reporting" / "eval_report").iterdir())
+    report = _report(root)
+    ranking = report["ranking"]
+    assert sorted(ranking) == ["dpo", "ppo", "reinforce", "sft"]
+    accuracies = [report["policies"][name]["accuracy"] for name in ranking]
+    assert accuracies == sorted(accuracies, reverse=True)
+    table = (version / "eval_report" / "report.md").read_text().splitlines()
+    assert [row.split("|")[2].strip() for row in table[2:6]] == ranking
+
+
 def test_every_stage_has_a_child_run_with_metrics_and_the_report_is_logged(default_run):
     import mlflow
     from mlflow import MlflowClient
@@ -95,8 +107,9 @@ def test_every_stage_has_a_child_run_with_metrics_and_the_report_is_logged(defau
     assert "val_accuracy" in children["train_reward_model"].data.metrics
     ev = children["evaluate_policies"]
     assert "dpo/accuracy" in ev.data.metrics and "reward_model/accuracy" in ev.data.metrics
+    assert sorted(ev.data.metrics[f"{p}/rank"] for p in ("sft", "dpo", "ppo", "reinforce")) == [1, 2, 3, 4]
     artifacts = {a.path for a in client.list_artifacts(ev.info.run_id, "eval_report")}
-    assert "eval_report/report.json" in artifacts and "eval_report/accuracy.png" in artifacts
+    assert {"eval_report/report.json", "eval_report/report.md", "eval_report/accuracy.png"} <= artifacts
     # lineage: the DPO checkpoint names its reference and parent
     (dpo_version,) = sorted((root / "data" / "06_models" / "dpo_policy").iterdir())
     meta = json.loads((dpo_version / "dpo_policy" / "meta.json").read_text())

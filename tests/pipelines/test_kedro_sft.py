@@ -113,6 +113,8 @@ def _fast_flows(project: Path) -> None:
 def _report_policies(project: Path) -> tuple[set[str], dict]:
     (version,) = sorted((project / "data" / "08_reporting" / "eval_report").iterdir())
     report = json.loads((version / "eval_report" / "report.json").read_text())
+    assert sorted(report["ranking"]) == sorted(report["policies"])  # every evaluated policy is ranked
+    assert (version / "eval_report" / "report.md").is_file()
     return set(report["policies"]), report
 
 

@@ -5,8 +5,9 @@
 Per policy: sample responses (KV-cached generation) and report verifiable accuracy (the configured checker), greedy
 accuracy, reward-model score, KL to the reference (mean over generated tokens of log pi - log pi_ref, the k1
 estimator under the policy's samples), response length and EOS rate, plus validation perplexity on the SFT data. Also
-the reward model's accuracy on held-out preference pairs. Rank 0 writes ``report.json`` and PNG plots to
-``output_dir`` and logs them (and the numbers) to the MLflow run.
+the reward model's accuracy on held-out preference pairs. The report ranks the policies (``ranking``: best first by
+sampled accuracy, then greedy accuracy, then lower KL to the reference). Rank 0 writes ``report.json``, the ranked
+table ``report.md`` and PNG plots to ``output_dir`` and logs them (and the numbers) to the MLflow run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.model import init
 from align_pipeline.model.generate import generate
 from align_pipeline.model.logprobs import token_nll
+from align_pipeline.report import rank_policies, report_table
 from align_pipeline.tracking import RunLogger
 from align_pipeline.train import loop
 from align_pipeline.train.distributed import init_distributed, shutdown
@@ -164,15 +166,19 @@ def main(job: EvaluationJobConfig) -> dict:
                                   "mean_margin": float(np.mean(r[:, 0] - r[:, 1])), "pairs": len(r)}
         loop.log(dist, f"[evaluation] reward model accuracy on held-out pairs: {report['reward_model']['accuracy']:.4f}")
 
+    report["ranking"] = rank_policies(report["policies"])
+    table = report_table(report)
+    loop.log(dist, "[evaluation] policies ranked:\n" + table)
     if dist.is_logging_rank:
         out = Path(job.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=2))
+        (out / "report.md").write_text(table + "\n")
         plots = write_plots(report, out)
         (out / "meta.json").write_text(json.dumps({"stage": "evaluation", "lineage": job.lineage,
                                                    "policies": job.policies}, indent=2))
         logger.log_metrics(flat_metrics(report), step=0)
-        for f in [out / "report.json", *plots]:
+        for f in [out / "report.json", out / "report.md", *plots]:
             logger.log_artifact(f, "eval_report")
         (Path(job.run_dir) / "result.json").write_text(json.dumps({"output_dir": str(out), "report": report}))
     logger.close()
@@ -187,6 +193,7 @@ def _kind(prompt: str) -> str:
 def flat_metrics(report: dict) -> dict[str, float]:
     flat = {f"{name}/{k}": v for name, m in report["policies"].items() for k, v in m.items() if isinstance(v, float)}
     flat.update({f"reward_model/{k}": float(v) for k, v in report.get("reward_model", {}).items()})
+    flat.update({f"{name}/rank": float(i) for i, name in enumerate(report.get("ranking", []), 1)})
     return flat
 
 

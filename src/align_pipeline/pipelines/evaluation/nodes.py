@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from align_pipeline.config import (
@@ -15,6 +16,9 @@ from align_pipeline.config import (
 )
 from align_pipeline.data.formats import Artifact
 from align_pipeline.launch import run_torchrun
+from align_pipeline.report import report_table
+
+log = logging.getLogger(__name__)
 
 
 def evaluate_policies(tokenizer: Artifact, prompts_val: Artifact, pref_val: Artifact, sft_val: Artifact,
@@ -44,4 +48,6 @@ def evaluate_policies(tokenizer: Artifact, prompts_val: Artifact, pref_val: Arti
     metrics = {f"{name}.{k}": v for name, m in report["policies"].items() for k, v in m.items()
                if isinstance(v, float)}
     metrics.update({f"reward_model.{k}": float(v) for k, v in report.get("reward_model", {}).items()})
+    metrics.update({f"{name}.rank": float(i) for i, name in enumerate(report["ranking"], 1)})
+    log.info("Evaluation report %s, policies ranked:\n%s", result["output_dir"], report_table(report))
     return result["output_dir"], metrics
