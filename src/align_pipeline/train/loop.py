@@ -312,6 +312,11 @@ def zero_grads(model, optimizer) -> None:
     optimizer.zero_grad()
 
 
+def peak_memory_gib() -> float | None:
+    """This rank's peak allocated accelerator memory in GiB (None on CPU)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
 def current_lr(optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 

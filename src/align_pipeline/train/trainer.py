@@ -126,7 +126,7 @@ def fit(job: TrainJobConfig, spec: StageSpec, p: Prepared) -> dict[str, Any]:
         last = {"loss": m[spec.loss_metric], **{k: v for k, v in m.items() if k not in (spec.loss_metric, "count")},
                 "lr": loop.current_lr(optimizer), "grad_norm": grad_norm, "step_time_s": time.perf_counter() - t0,
                 "tokens_per_s": progress.tokens_per_s(), "update_skipped": float(not ok)}
-        history.append({"step": step, "loss": last["loss"]})
+        history.append({"step": step, "loss": last["loss"], "step_time_s": last["step_time_s"]})
         logged = dict(last)
         if tcfg.eval_interval and step % tcfg.eval_interval == 0 and step < tcfg.train_steps:
             logged.update(_with_val_loss(evaluate(), spec))
@@ -161,7 +161,8 @@ def fit(job: TrainJobConfig, spec: StageSpec, p: Prepared) -> dict[str, Any]:
     }
     model_dir = checkpoint.save_model(run_dir / "model", model, meta)
     result = {"model_dir": str(model_dir), "step": step, **final_val, "train_loss": last.get("loss"),
-              "train_metrics": last, "tokens_per_s": last.get("tokens_per_s"), "history": history}
+              "train_metrics": last, "tokens_per_s": last.get("tokens_per_s"), "tokens_per_step": tokens_per_step,
+              "peak_memory_gib": loop.peak_memory_gib(), "history": history}
     return finish(dist, logger, run_dir, result)
 
 
