@@ -11,14 +11,11 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from align_pipeline.config import ModelConfig, ParallelConfig
-from align_pipeline.losses.sft import masked_token_loss
 from align_pipeline.model import init
-from align_pipeline.model.logprobs import token_nll
-from align_pipeline.train import loop
 from align_pipeline.train.distributed import init_distributed, shutdown
+from align_pipeline.train.evaluate import nll_fn, per_sample
 
 
 def main() -> None:
@@ -30,16 +27,10 @@ def main() -> None:
     assert dist.world_size == 1, "the reshard check loads the checkpoint on one process"
     source = init.resolve(cfg["checkpoint"], ModelConfig(), tokenizer_vocab_size=0)
     model = init.build_model(source, parallel, dist).eval()
-    val = dict(np.load(cfg["val_data"]))
-    n, mb = min(cfg["eval_samples"], len(val["input_ids"])), cfg["micro_batch_size"]
-    loss_sum, tokens = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, n, mb):
-            batch = {k: torch.from_numpy(v[start:min(start + mb, n)]).to(dist.device) for k, v in val.items()}
-            logits = model(batch["input_ids"], loop.position_ids_like(batch["input_ids"]), None)  # [b, s, V]
-            s, c, _ = masked_token_loss(token_nll(logits, batch["labels"], source.vocab_size, 0), batch["loss_mask"])
-            loss_sum, tokens = loss_sum + float(s), tokens + int(c)
-    (Path(cfg["run_dir"]) / "result.json").write_text(json.dumps({"val_loss": loss_sum / tokens}))
+    val = {k: v[: cfg["eval_samples"]] for k, v in np.load(cfg["val_data"]).items()}
+    stats = per_sample(model, val, nll_fn(source.vocab_size, 0), cfg["micro_batch_size"], dist)  # [n, 2]
+    val_loss = float(stats[:, 0].sum() / stats[:, 1].sum())  # token mean, as the trainer's evaluation
+    (Path(cfg["run_dir"]) / "result.json").write_text(json.dumps({"val_loss": val_loss}))
     shutdown()
 
 

@@ -16,7 +16,6 @@ from align_pipeline.config import (
 )
 from align_pipeline.data.formats import Artifact
 from align_pipeline.launch import run_torchrun
-from align_pipeline.report import report_table
 
 log = logging.getLogger(__name__)
 
@@ -49,5 +48,6 @@ def evaluate_policies(tokenizer: Artifact, prompts_val: Artifact, pref_val: Arti
                if isinstance(v, float)}
     metrics.update({f"reward_model.{k}": float(v) for k, v in report.get("reward_model", {}).items()})
     metrics.update({f"{name}.rank": float(i) for i, name in enumerate(report["ranking"], 1)})
-    log.info("Evaluation report %s, policies ranked:\n%s", result["output_dir"], report_table(report))
+    log.info("Evaluation report %s, policies ranked:\n%s", result["output_dir"],
+             (Path(result["output_dir"]) / "report.md").read_text())
     return result["output_dir"], metrics
