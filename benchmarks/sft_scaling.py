@@ -119,8 +119,10 @@ def sft_job(layout: Layout, global_batch: int, args: argparse.Namespace, data: d
         ModelConfig,
         OptimizerConfig,
         ParallelConfig,
-        SFTJobConfig,
+        SFTConfig,
+        SFTJob,
         TrainingConfig,
+        TrainPaths,
     )
 
     parallel = ParallelConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
@@ -132,9 +134,9 @@ def sft_job(layout: Layout, global_batch: int, args: argparse.Namespace, data: d
         keep_checkpoints=1, optimizer=OptimizerConfig(lr=args.lr, min_lr=args.lr / 10, warmup_steps=args.steps // 5),
     )
     model = ModelConfig(seq_length=PRESETS[args.preset]["seq_length"])  # the architecture comes from the HF dir
-    return SFTJobConfig(run_dir=str(run_dir), train_data=data["train"], val_data=data["val"],
-                        tokenizer=data["tokenizer"], model=model, parallel=parallel, training=training,
-                        init_from=hf_dir)
+    paths = TrainPaths(run_dir=str(run_dir), train_data=data["train"], val_data=data["val"],
+                       tokenizer=data["tokenizer"], init_from=hf_dir)
+    return SFTJob(sft=SFTConfig(training=training), model=model, parallel=parallel, paths=paths)
 
 
 def steady_tokens_per_s(result: dict[str, Any], warmup: int) -> float:

@@ -14,8 +14,10 @@ import numpy as np
 
 from align_pipeline.config import ModelConfig, ParallelConfig
 from align_pipeline.model import init
-from align_pipeline.train.distributed import init_distributed, shutdown
-from align_pipeline.train.evaluate import nll_fn, per_sample
+from align_pipeline.model.sequences import nll_forward
+from align_pipeline.train.core.distributed import init_distributed, shutdown
+from align_pipeline.train.core.optimizer import build_frozen
+from align_pipeline.train.core.schedule import per_sample
 
 
 def main() -> None:
@@ -26,9 +28,9 @@ def main() -> None:
     dist = init_distributed(parallel, seed=0)
     assert dist.world_size == 1, "the reshard check loads the checkpoint on one process"
     source = init.resolve(cfg["checkpoint"], ModelConfig(), tokenizer_vocab_size=0)
-    model = init.build_model(source, parallel, dist).eval()
+    model = build_frozen(source, parallel, dist)
     val = {k: v[: cfg["eval_samples"]] for k, v in np.load(cfg["val_data"]).items()}
-    stats = per_sample(model, val, nll_fn(source.vocab_size, 0), cfg["micro_batch_size"], dist)  # [n, 2]
+    stats = per_sample(model, val, nll_forward(source.vocab_size, 0), cfg["micro_batch_size"], dist)  # [n, 2]
     val_loss = float(stats[:, 0].sum() / stats[:, 1].sum())  # token mean, as the trainer's evaluation
     (Path(cfg["run_dir"]) / "result.json").write_text(json.dumps({"val_loss": val_loss}))
     shutdown()

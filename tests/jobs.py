@@ -14,8 +14,12 @@ from align_pipeline.config import (
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
-    SFTJobConfig,
+    RewardModelConfig,
+    RewardModelJob,
+    SFTConfig,
+    SFTJob,
     TrainingConfig,
+    TrainPaths,
     to_dict,
 )
 from align_pipeline.data.formats import save_jsonl, save_npz
@@ -80,25 +84,38 @@ def make_prompts(out: Path, tokenizer_dir: str) -> dict[str, str]:
     return paths
 
 
-def sft_job(data: dict[str, str], run_dir: Path, **overrides: Any) -> SFTJobConfig:
+def sft_job(data: dict[str, str], run_dir: Path, **overrides: Any) -> SFTJob:
+    """A tiny SFT job; ``overrides``: training/parallel/model (dicts of fields), stop_after, init_from."""
     training = TrainingConfig(
         seed=7, train_steps=6, global_batch_size=8, micro_batch_size=2, log_interval=1, eval_interval=0,
         eval_samples=32, save_interval=0, optimizer=OptimizerConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2),
     )
-    job = SFTJobConfig(
-        run_dir=str(run_dir), train_data=data["train"], val_data=data["val"], tokenizer=data["tokenizer"],
-        model=TINY_MODEL, parallel=ParallelConfig(), training=training,
-    )
-    for key, value in overrides.items():
-        if key in ("training", "parallel", "model") and isinstance(value, dict):
-            value = dataclasses.replace(getattr(job, key), **value)
-        job = dataclasses.replace(job, **{key: value})
-    return job
+    training = dataclasses.replace(training, **overrides.pop("training", {}))
+    paths = TrainPaths(run_dir=str(run_dir), train_data=data["train"], val_data=data["val"], tokenizer=data["tokenizer"],
+                       init_from=overrides.pop("init_from", None))
+    model = overrides.pop("model", {})
+    model = model if isinstance(model, ModelConfig) else dataclasses.replace(TINY_MODEL, **model)
+    return SFTJob(sft=SFTConfig(training=training), model=model,
+                  parallel=ParallelConfig(**overrides.pop("parallel", {})), paths=paths, **overrides)
 
 
-def run_sft(job: SFTJobConfig, nproc: int = 1) -> dict[str, Any]:
-    Path(job.run_dir).mkdir(parents=True, exist_ok=True)
-    return run_torchrun("align_pipeline.train.sft", to_dict(job), LaunchConfig(nproc_per_node=nproc), job.run_dir)
+def run_sft(job: SFTJob, nproc: int = 1) -> dict[str, Any]:
+    Path(job.paths.run_dir).mkdir(parents=True, exist_ok=True)
+    return run_torchrun("align_pipeline.train.sft", to_dict(job), LaunchConfig(nproc_per_node=nproc),
+                        job.paths.run_dir)
+
+
+def run_rm(pref: dict[str, str], tokenizer: str, policy: str, run_dir: Path, model: ModelConfig = TINY_MODEL,
+           parallel: ParallelConfig | None = None, **section: Any) -> dict[str, Any]:
+    """A tiny Bradley-Terry reward model on ``pref`` from ``policy`` (``section``: RewardModelConfig fields)."""
+    training = TrainingConfig(seed=3, train_steps=4, global_batch_size=8, micro_batch_size=4, eval_interval=0,
+                              eval_samples=16, save_interval=0, optimizer=OptimizerConfig(lr=1e-3, warmup_steps=1))
+    job = RewardModelJob(reward_model=RewardModelConfig(training=section.pop("training", training), **section),
+                         model=model, parallel=parallel or ParallelConfig(), paths=TrainPaths(run_dir=str(run_dir), train_data=pref["train"],
+                                                            val_data=pref["val"], tokenizer=tokenizer,
+                                                            init_from=policy))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return run_torchrun("align_pipeline.train.reward_model", to_dict(job), LaunchConfig(), run_dir)
 
 
 def losses(result: dict[str, Any]) -> list[float]:

@@ -35,3 +35,13 @@ def report_table(report: dict) -> str:
         rm = report["reward_model"]
         lines.append(f"\nReward model accuracy on {rm['pairs']} held-out pairs: {rm['accuracy']:.3f}")
     return "\n".join(lines)
+
+
+def flat_metrics(report: dict, sep: str = "/") -> dict[str, float]:
+    """The report's numbers as flat metric names: ``<policy><sep><metric>``, ``reward_model<sep><metric>`` and
+    ``<policy><sep>rank`` (the job logs them with "/", the Kedro node's MLflow run with ".")."""
+    flat = {f"{name}{sep}{k}": v for name, m in report["policies"].items() for k, v in m.items()
+            if isinstance(v, float)}
+    flat.update({f"reward_model{sep}{k}": float(v) for k, v in report.get("reward_model", {}).items()})
+    flat.update({f"{name}{sep}rank": float(i) for i, name in enumerate(report.get("ranking", []), 1)})
+    return flat

@@ -7,32 +7,10 @@ from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
-from align_pipeline.config import (
-    DPOParams,
-    EvaluationParams,
-    LaunchConfig,
-    ModelConfig,
-    ParallelConfig,
-    PPOParams,
-    ReinforceParams,
-    RewardModelParams,
-    StageParams,
-    from_dict,
-)
+from align_pipeline.config import SECTIONS, from_dict
 
 # "params:<section>" -> dataclass (or "module:Class" resolved lazily).
-PARAM_SCHEMAS: dict[str, Any] = {
-    "model": ModelConfig,
-    "parallel": ParallelConfig,
-    "launch": LaunchConfig,
-    "sft": StageParams,
-    "reward_model": RewardModelParams,
-    "dpo": DPOParams,
-    "ppo": PPOParams,
-    "reinforce": ReinforceParams,
-    "evaluation": EvaluationParams,
-    "data_prep": "align_pipeline.data.tokenize:DataPrepConfig",
-}
+PARAM_SCHEMAS: dict[str, Any] = {**SECTIONS, "data_prep": "align_pipeline.data.tokenize:DataPrepConfig"}
 
 
 def _schema(entry: Any):

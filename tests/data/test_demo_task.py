@@ -19,7 +19,7 @@ def test_answer_and_check(prompt, right):
     assert d.check(prompt, right + "</s>")
     assert not d.check(prompt, right + "x")
     assert not d.check(prompt, "")
-    assert d.reward(prompt, right) == 1.0
+    assert d.check(prompt, right)
 
 
 def test_wrong_answers_are_wrong_and_plausible():
@@ -28,7 +28,7 @@ def test_wrong_answers_are_wrong_and_plausible():
         for _ in range(20):
             wrong = d.wrong_answer_for(prompt, rng)
             assert not d.check(prompt, wrong)
-            assert d.reward(prompt, wrong) == 0.0
+            assert not d.check(prompt, wrong)
             assert abs(len(wrong) - len(d.answer_for(prompt))) <= 1
 
 

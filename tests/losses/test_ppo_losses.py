@@ -14,8 +14,8 @@ from align_pipeline.losses.ppo import (
     entropy_from_logits,
     ppo_policy_loss,
     ppo_value_loss,
-    reinforce_loss,
 )
+from align_pipeline.losses.reinforce import reinforce_loss
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 NAN = float("nan")
@@ -153,12 +153,12 @@ def test_reinforce_with_k3_kl_to_reference():
     logp = torch.tensor([[-1.0, -2.0, NAN], [-0.5, NAN, NAN]], requires_grad=True)
     ref = torch.tensor([[-1.0 + LN2, -2.0 + LN2, NAN], [-0.5 + LN2, NAN, NAN]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    loss, _, m = reinforce_loss(logp, torch.tensor([2.0, -1.0]), mask, ref_logp=ref, kl_coef=0.1)
+    loss, _, m = reinforce_loss(logp, torch.tensor([2.0, -1.0]), mask, ref_logp=ref, beta=0.1)
     assert loss.item() == approx(5.5 + 0.3 * (1 - LN2))
     assert m["pg_loss"].item() == approx(5.5) and m["kl"].item() == approx(3 * (1 - LN2))
     loss.backward()
     close(logp.grad, [[-2.1, -2.1, 0.0], [0.9, 0.0, 0.0]], tol=1e-5)
-    # k1: kl = logp - ref = -ln 2 per token (reported even with kl_coef = 0, which leaves the loss at 5.5)
+    # k1: kl = logp - ref = -ln 2 per token (reported even with beta = 0, which leaves the loss at 5.5)
     loss1, _, m1 = reinforce_loss(logp, torch.tensor([2.0, -1.0]), mask, ref_logp=ref, estimator="k1")
     assert loss1.item() == approx(5.5) and m1["kl"].item() == approx(-3 * LN2)
 
@@ -187,4 +187,4 @@ def test_reinforce_clipped_form_matches_ppo_policy_loss():
 def test_reinforce_kl_coef_needs_reference():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="needs ref_logp"):
-        reinforce_loss(x, torch.zeros(1), x, kl_coef=0.1)
+        reinforce_loss(x, torch.zeros(1), x, beta=0.1)

@@ -20,7 +20,6 @@ from align_pipeline.losses import (
     hinge_loss,
     ipo_loss,
     rpo_loss,
-    sft_mix,
     simpo_loss,
 )
 
@@ -243,14 +242,6 @@ def test_hinge_at_and_beyond_margin():
 
 
 # ------------------------------------------------------------------------------------------------ SFT mix
-
-
-def test_sft_mix_is_token_level():
-    # NLL sums [6, 2] over [3, 1] tokens, weight 0.5 -> loss_sum 0.5 · 8 = 4, count 4 tokens, sft_loss 8 (unweighted)
-    loss_sum, count, m = sft_mix(t(6.0, 2.0), torch.tensor([3, 1]), weight=0.5)
-    assert loss_sum.item() == approx(4.0)
-    assert count.item() == 4 and count.dtype == torch.int
-    assert m["sft_loss"].item() == approx(8.0)
 
 
 def test_combine_puts_sft_per_sequence():

@@ -28,8 +28,8 @@ from align_pipeline.config import ModelConfig, ParallelConfig, from_dict
 from align_pipeline.model import init
 from align_pipeline.model.generate import generate
 from align_pipeline.model.gpt import build_gpt
-from align_pipeline.train import loop
-from align_pipeline.train.distributed import init_distributed, shutdown
+from align_pipeline.model.sequences import position_ids
+from align_pipeline.train.core.distributed import init_distributed, shutdown
 
 
 def run_cases(model, cfg: dict, prefix: str, names: list[str] | None) -> dict:
@@ -72,7 +72,7 @@ def score(model, prompt: list[int], new: list[int], vocab_size: int) -> list[flo
     row = prompt + new
     tokens = torch.tensor([row + [0] * (-len(row) % tp)], dtype=torch.long)  # [1, s]
     with torch.no_grad():
-        logits = model(tokens, loop.position_ids_like(tokens), None, runtime_gather_output=True)  # [1, s, V]
+        logits = model(tokens, position_ids(tokens), None, runtime_gather_output=True)  # [1, s, V]
     logp = torch.log_softmax(logits[0, :, :vocab_size].float(), dim=-1)  # [s, V]
     targets = torch.tensor(new, dtype=torch.long)  # [n]
     rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(new))  # [n] position predicting each new token

@@ -22,8 +22,8 @@ from megatron.core import parallel_state
 from align_pipeline.config import ModelConfig, ParallelConfig, from_dict
 from align_pipeline.model import init
 from align_pipeline.model.gpt import build_gpt
-from align_pipeline.train import loop
-from align_pipeline.train.distributed import init_distributed, shutdown
+from align_pipeline.model.sequences import position_ids
+from align_pipeline.train.core.distributed import init_distributed, shutdown
 
 
 def _global_params(model) -> dict[str, torch.Tensor]:
@@ -70,7 +70,7 @@ def run_layout(cfg: dict, parallel: ParallelConfig, out_dir: Path) -> dict:
         torch.save(_global_params(model), out_dir / f"params_{name}_rank{dist.rank}.pt")
         if dist.pp_size == 1:
             with torch.no_grad():
-                logits = model(tokens, loop.position_ids_like(tokens), None, runtime_gather_output=True)
+                logits = model(tokens, position_ids(tokens), None, runtime_gather_output=True)
             result["logits"][name] = logits[..., : source.vocab_size].tolist()
 
     for name, hf_dir in cfg.get("bad_dirs", {}).items():

@@ -13,8 +13,8 @@ import torch
 
 from align_pipeline.config import ModelConfig, ParallelConfig, from_dict
 from align_pipeline.model import init
-from align_pipeline.train import loop
-from align_pipeline.train.distributed import init_distributed, shutdown
+from align_pipeline.model.sequences import position_ids
+from align_pipeline.train.core.distributed import init_distributed, shutdown
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     tokens = torch.tensor(cfg["tokens"], dtype=torch.long)
     assert dist.pp_size == 1, "this worker runs PP=1 only"
     with torch.no_grad():
-        logits = model(tokens, loop.position_ids_like(tokens), None, runtime_gather_output=True)  # [b, s, V]
+        logits = model(tokens, position_ids(tokens), None, runtime_gather_output=True)  # [b, s, V]
     if dist.rank == 0:
         out = {"logits": logits[..., : source.vocab_size].tolist()}
         (Path(cfg["run_dir"]) / "result.json").write_text(json.dumps(out))

@@ -8,7 +8,7 @@ def test_sdpa_matches_megatron_unfused_attention():
         """
         import torch
         from align_pipeline.config import ParallelConfig, ModelConfig
-        from align_pipeline.train.distributed import init_distributed, shutdown
+        from align_pipeline.train.core.distributed import init_distributed, shutdown
         from align_pipeline.model.attention import SDPAttention
         from align_pipeline.model.gpt import transformer_config
         from megatron.core.transformer.dot_product_attention import DotProductAttention

@@ -189,7 +189,7 @@ def test_sampler_filters_and_guards():
     out = run_py(
         """
         import types, torch
-        from align_pipeline.model import megatron_cpu
+        from align_pipeline.train.core import megatron_cpu
         megatron_cpu.activate()
         from align_pipeline.model.generate import generate, sample_next_token
 

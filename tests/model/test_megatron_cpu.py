@@ -24,7 +24,7 @@ def test_redirections_behave_like_their_cuda_counterparts():
     out = run_py(
         """
         import torch
-        from align_pipeline.model import megatron_cpu
+        from align_pipeline.train.core import megatron_cpu
         assert not torch.cuda.is_available()
         assert megatron_cpu.activate() is True and megatron_cpu.is_active()
         assert megatron_cpu.activate() is True  # idempotent
@@ -67,7 +67,7 @@ def test_tensor_parallel_ranks_get_distinct_dropout_streams():
     out = run_py(
         """
         import torch
-        from align_pipeline.model import megatron_cpu
+        from align_pipeline.train.core import megatron_cpu
         megatron_cpu.activate()
         from megatron.core import tensor_parallel
         draws = []
@@ -90,24 +90,22 @@ def test_megatron_call_sites_are_traced_during_a_training_step():
         """
         import torch, os
         from align_pipeline.config import ModelConfig, ParallelConfig, TrainingConfig
-        from align_pipeline.train.distributed import init_distributed, shutdown
-        from align_pipeline.train import loop
+        from align_pipeline.train.core.distributed import init_distributed, shutdown
+        from align_pipeline.model.sequences import position_ids
+        from align_pipeline.train.core.optimizer import build_trainable, train_step
         from align_pipeline.losses.sft import masked_token_loss
-        from align_pipeline.model import megatron_cpu
+        from align_pipeline.train.core import megatron_cpu
         dist = init_distributed(ParallelConfig(), seed=1)
         from align_pipeline.model.init import resolve
         source = resolve(None, ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8), 32)
-        model, opt, sched = loop.build_model_and_optimizer(source, ParallelConfig(), TrainingConfig(train_steps=2),
-                                                           dist)
+        t = build_trainable(source, ParallelConfig(), TrainingConfig().optimizer, 2, dist)
         ids = torch.randint(0, 32, (2, 8))
         batch = {"input_ids": ids, "labels": ids, "loss_mask": torch.ones(2, 8)}
         def fl(m, b):
-            out = m(b["input_ids"], loop.position_ids_like(b["input_ids"]), None, labels=b["labels"])
+            out = m(b["input_ids"], position_ids(b["input_ids"]), None, labels=b["labels"])
             return out, lambda t: masked_token_loss(t, b["loss_mask"])
-        loop.zero_grads(model, opt)
-        loop.run_microbatches(model, [batch], fl, ["lm_loss"], dist, 8, forward_only=False)
-        ok, gn = loop.optimizer_step(model, opt, sched)
-        assert ok and gn > 0
+        m = train_step(t, [batch], fl, ["lm_loss"], dist, 8)
+        assert m["update_skipped"] == 0 and m["grad_norm"] > 0
         sites = megatron_cpu.call_sites()
         kinds = {k.split(" from ")[0] for k in sites}
         print(sorted(kinds))
@@ -125,7 +123,7 @@ def test_inactive_when_cuda_is_available():
         """
         import torch
         torch.cuda.is_available = lambda: True
-        from align_pipeline.model import megatron_cpu
+        from align_pipeline.train.core import megatron_cpu
         original = torch.zeros
         assert megatron_cpu.activate() is False and not megatron_cpu.is_active()
         assert torch.zeros is original and torch.Tensor.type(torch.ones(1)) == "torch.FloatTensor"

@@ -50,7 +50,7 @@ def test_data_prep_and_sft_then_rerun_sft_makes_a_second_version(project):
     import mlflow
     from mlflow import MlflowClient
 
-    from align_pipeline.model.checkpoint import read_meta
+    from align_pipeline.data.formats import checkpoint_meta as read_meta
 
     outputs = _run(project, "data_prep", "sft")
     metrics = outputs["sft_metrics"].load()

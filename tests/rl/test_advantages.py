@@ -15,7 +15,6 @@ from align_pipeline.rl import (
     moments_to_mean_var,
     rloo_advantages,
     token_rewards,
-    whiten,
     whiten_with,
 )
 
@@ -41,7 +40,7 @@ def test_token_rewards_score_on_last_response_token():
         ]
     )
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 1, 1, 1]])
-    out = token_rewards(scores, kl, mask, kl_coef=0.1)
+    out = token_rewards(scores, kl, mask, beta=0.1)
     # row 0: -0.1·[0.1, 0.2, 0.3] = [-0.01, -0.02, -0.03], + 1.0 on t=2 → [-0.01, -0.02, 0.97, 0]
     # row 1: -0.1·[0.5, -0.4] = [-0.05, 0.04], - 2.0 on t=1 → [-0.05, -1.96, 0, 0]
     # row 2: -0.1·0.1 = -0.01 on t=1..3, + 0.5 on t=3 → [0, -0.01, -0.01, 0.49]
@@ -50,7 +49,7 @@ def test_token_rewards_score_on_last_response_token():
 
 def test_token_rewards_needs_a_response_token():
     with pytest.raises(ValueError, match="at least one response token"):
-        token_rewards(torch.zeros(2), torch.zeros(2, 3), torch.tensor([[1, 0, 0], [0, 0, 0]]), kl_coef=0.1)
+        token_rewards(torch.zeros(2), torch.zeros(2, 3), torch.tensor([[1, 0, 0], [0, 0, 0]]), beta=0.1)
 
 
 # ------------------------------------------------------------------------------------------------ GAE
@@ -110,6 +109,11 @@ def test_gae_rejects_bad_params():
 X = [[1.0, 2.0, 3.0, 99.0], [5.0, -50.0, 0.0, 7.0]]
 M = [[1, 1, 1, 0], [1, 0, 0, 0]]
 STD = math.sqrt(2.1875)
+
+
+def whiten(x, mask, shift_mean=True):
+    """Whole-batch whitening, the way the PPO stage composes it (moments, then whiten_with)."""
+    return whiten_with(x, mask, *moments_to_mean_var(*masked_moments(x, mask)), shift_mean=shift_mean)
 
 
 def test_whiten_mean_zero_var_one_over_mask():

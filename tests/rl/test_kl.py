@@ -72,7 +72,7 @@ def test_shape_mismatch_raises():
 def test_adaptive_controller_formula():
     # β0 = 0.2, target 6, horizon 10000, n_steps 256  →  K_β = 256/10000 = 0.0256
     # KL = 6.6: e = 6.6/6 - 1 = 0.1 (inside ±0.2) → β = 0.2 · (1 + 0.1·0.0256) = 0.2 · 1.00256 = 0.200512
-    c = AdaptiveKLController(init_kl_coef=0.2, target=6.0, horizon=10000)
+    c = AdaptiveKLController(beta=0.2, target=6.0, horizon=10000)
     c.update(6.6, n_steps=256)
     assert c.value == approx(0.200512)
     # next step from 0.200512, KL = 5.4: e = -0.1 → β = 0.200512 · (1 - 0.00256) = 0.200512 · 0.99744 = 0.19999869...

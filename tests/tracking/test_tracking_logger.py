@@ -19,7 +19,6 @@ from align_pipeline.tracking import (
     default_tracking_uri,
     flatten,
     numeric_items,
-    resolve_tracking_uri,
 )
 
 
@@ -53,10 +52,6 @@ def test_default_tracking_uri_is_absolute_sqlite(tmp_path, monkeypatch):
     uri = default_tracking_uri(tmp_path / "proj")
     assert uri == f"sqlite:////{(tmp_path / 'proj' / 'mlflow.db').resolve().as_posix().lstrip('/')}"
     assert uri.startswith("sqlite:////")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere/m.db")
-    assert resolve_tracking_uri(tmp_path) == "sqlite:////elsewhere/m.db"
-    monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    assert resolve_tracking_uri(tmp_path) == default_tracking_uri(tmp_path)
 
 
 def test_child_run_env_names_the_active_run(store):

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-from jobs import make_pref_data, make_prompts, make_sft_data, run_sft, sft_job
+from jobs import make_pref_data, make_prompts, make_sft_data, run_rm, run_sft, sft_job
 
 from align_pipeline.config import (
     GenerationConfig,
@@ -20,11 +20,14 @@ from align_pipeline.config import (
     OffloadConfig,
     OptimizerConfig,
     ParallelConfig,
-    PPOJobConfig,
-    ReinforceJobConfig,
+    PPOConfig,
+    PPOJob,
+    PPOPaths,
+    ReinforceConfig,
+    ReinforceJob,
     RewardConfig,
-    RewardModelJobConfig,
     RLLoopConfig,
+    RLPaths,
     TrainingConfig,
     to_dict,
 )
@@ -48,27 +51,25 @@ def models(tmp_path_factory):
     sft = run_sft(sft_job(data, root / "sft", model=MODEL, parallel={"bf16": True}, training={
         "train_steps": 1, "global_batch_size": 64, "micro_batch_size": 32, "log_interval": 1,
         "optimizer": OptimizerConfig(lr=1e-9, min_lr=0.0, warmup_steps=0)}))
-    rm_dir = root / "rm"
-    rm_dir.mkdir()
-    rm = run_torchrun("align_pipeline.train.reward_model", to_dict(RewardModelJobConfig(
-        run_dir=str(rm_dir), train_data=pref["train"], val_data=pref["val"], tokenizer=data["tokenizer"],
-        init_from=sft["model_dir"], model=MODEL, parallel=BF16,
-        training=TrainingConfig(train_steps=5, global_batch_size=32, micro_batch_size=16, eval_interval=0,
-                                eval_samples=64, save_interval=0))), LaunchConfig(), rm_dir)
+    rm = run_rm(pref, data["tokenizer"], sft["model_dir"], root / "rm", model=MODEL, parallel=BF16,
+                training=TrainingConfig(train_steps=5, global_batch_size=32, micro_batch_size=16, eval_interval=0,
+                                        eval_samples=64, save_interval=0))
     return {"tokenizer": data["tokenizer"], "prompts": prompts, "sft": sft["model_dir"], "rm": rm["model_dir"]}
 
 
-def _fields(models, run_dir: Path, samples: int, prompts: int) -> dict:
+def _section(samples: int, prompts: int) -> dict:
     return {
-        "run_dir": str(run_dir), "prompts": models["prompts"]["train"], "val_prompts": models["prompts"]["val"],
-        "tokenizer": models["tokenizer"], "init_from": models["sft"], "reward_model": models["rm"],
-        "model": ModelConfig(attention_backend="sdpa"), "parallel": BF16,
         "rl": RLLoopConfig(iterations=2, prompts_per_iteration=prompts, epochs=1, minibatches=4, micro_batch_size=32,
                            eval_interval=0, eval_prompts=64, save_interval=0),
         "generation": GenerationConfig(max_new_tokens=128, samples_per_prompt=samples, batch_size=256),
         "reward": RewardConfig(reward_model_weight=1.0, checker_weight=1.0),
         "optimizer": OptimizerConfig(lr=1e-6, min_lr=1e-7, warmup_steps=0),
     }
+
+
+def _paths(models, run_dir: Path) -> dict:
+    return {"run_dir": str(run_dir), "prompts": models["prompts"]["train"], "val_prompts": models["prompts"]["val"],
+            "tokenizer": models["tokenizer"], "policy": models["sft"], "reward_model": models["rm"]}
 
 
 def _run(module: str, job, run_dir: Path) -> dict:
@@ -86,16 +87,20 @@ def _report(name: str, result: dict) -> None:
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_ppo_iteration_on_one_gpu(models, tmp_path, offload):
-    job = PPOJobConfig(**_fields(models, tmp_path / "ppo", samples=1, prompts=256),
-                       critic_optimizer=OptimizerConfig(lr=1e-6, min_lr=1e-7, warmup_steps=0),
-                       offload=OffloadConfig(frozen_models=offload, optimizer_states=offload))
+    section = PPOConfig(**_section(samples=1, prompts=256),
+                        critic_optimizer=OptimizerConfig(lr=1e-6, min_lr=1e-7, warmup_steps=0),
+                        offload=OffloadConfig(frozen_models=offload, optimizer_states=offload))
+    job = PPOJob(ppo=section, model=ModelConfig(attention_backend="sdpa"), parallel=BF16,
+                 paths=PPOPaths(**_paths(models, tmp_path / "ppo")))
     result = _run("ppo", job, tmp_path / "ppo")
     _report(f"ppo offload={offload}", result)
     assert Path(result["actor_dir"], "meta.json").is_file() and Path(result["critic_dir"], "meta.json").is_file()
 
 
 def test_reinforce_iteration_on_one_gpu(models, tmp_path):
-    fields = _fields(models, tmp_path / "rf", samples=4, prompts=64)
-    fields["reward"] = RewardConfig(reward_model_weight=0.0, checker_weight=1.0)
-    result = _run("reinforce", ReinforceJobConfig(**fields), tmp_path / "rf")
+    section = _section(samples=4, prompts=64)
+    section["reward"] = RewardConfig(reward_model_weight=0.0, checker_weight=1.0)
+    job = ReinforceJob(reinforce=ReinforceConfig(**section), model=ModelConfig(attention_backend="sdpa"),
+                       parallel=BF16, paths=RLPaths(**_paths(models, tmp_path / "rf")))
+    result = _run("reinforce", job, tmp_path / "rf")
     _report("reinforce", result)

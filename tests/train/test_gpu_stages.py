@@ -13,13 +13,17 @@ import pytest
 from jobs import RAW, TINY_MODEL, make_pref_data, make_sft_data, run_sft, sft_job
 
 from align_pipeline.config import (
-    DPOJobConfig,
+    DPOConfig,
+    DPOJob,
+    DPOPaths,
     LaunchConfig,
     OptimizerConfig,
     ParallelConfig,
     PreferenceLossConfig,
-    RewardModelJobConfig,
+    RewardModelConfig,
+    RewardModelJob,
     TrainingConfig,
+    TrainPaths,
     to_dict,
 )
 from align_pipeline.data.formats import Artifact, load_artifact, save_jsonl
@@ -49,9 +53,10 @@ def test_all_stages_one_gpu(tmp_path):
     t = time.perf_counter()
     rm_dir = tmp_path / "rm"
     rm_dir.mkdir()
-    rm = run_torchrun("align_pipeline.train.reward_model", to_dict(RewardModelJobConfig(
-        run_dir=str(rm_dir), train_data=pref["train"], val_data=pref["val"], tokenizer=data["tokenizer"],
-        init_from=sft["model_dir"], model=TINY_MODEL, parallel=parallel, training=training)), LaunchConfig(), rm_dir)
+    rm = run_torchrun("align_pipeline.train.reward_model", to_dict(RewardModelJob(
+        reward_model=RewardModelConfig(training=training), model=TINY_MODEL, parallel=parallel,
+        paths=TrainPaths(run_dir=str(rm_dir), train_data=pref["train"], val_data=pref["val"],
+                         tokenizer=data["tokenizer"], init_from=sft["model_dir"]))), LaunchConfig(), rm_dir)
     timings["reward_model_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -64,10 +69,11 @@ def test_all_stages_one_gpu(tmp_path):
     t = time.perf_counter()
     dpo_dir = tmp_path / "dpo"
     dpo_dir.mkdir()
-    dpo = run_torchrun("align_pipeline.train.dpo", to_dict(DPOJobConfig(
-        run_dir=str(dpo_dir), train_data=pref["train"], val_data=pref["val"], tokenizer=data["tokenizer"],
-        init_from=sft["model_dir"], reference_logps=ref.path, model=TINY_MODEL, parallel=parallel,
-        training=training, loss=PreferenceLossConfig(sft_weight=1.0))), LaunchConfig(), dpo_dir)
+    dpo = run_torchrun("align_pipeline.train.dpo", to_dict(DPOJob(
+        dpo=DPOConfig(training=training, loss=PreferenceLossConfig(sft_weight=1.0)), model=TINY_MODEL,
+        parallel=parallel, paths=DPOPaths(run_dir=str(dpo_dir), train_data=pref["train"], val_data=pref["val"],
+                                          tokenizer=data["tokenizer"], init_from=sft["model_dir"],
+                                          reference_logps=ref.path))), LaunchConfig(), dpo_dir)
     timings["dpo_s"] = time.perf_counter() - t
 
     t = time.perf_counter()

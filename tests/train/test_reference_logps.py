@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from jobs import make_pref_data, make_sft_data, run_sft, sft_job
 
 from align_pipeline.config import LaunchConfig
 from align_pipeline.data.formats import Artifact, load_artifact, save_npz
@@ -20,12 +19,8 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ref")
-    sft_data = make_sft_data(root / "sft")
-    policy = run_sft(sft_job(sft_data, root / "run", training={"train_steps": 10}))["model_dir"]
-    pref = make_pref_data(root / "pref", sft_data["tokenizer"])
-    return root, policy, pref
+def setup(tiny_models, tmp_path_factory):
+    return tmp_path_factory.mktemp("ref"), tiny_models["sft"], tiny_models["pref"]
 
 
 def _node(root, policy, pref, train, micro=8, nproc=1):

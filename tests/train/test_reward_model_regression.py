@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from jobs import RAW, TINY_MODEL, make_sft_data, run_sft, sft_job
+from jobs import RAW, TINY_MODEL
 
-from align_pipeline.config import LaunchConfig, RewardHeadConfig, RewardModelJobConfig, TrainingConfig, to_dict
+from align_pipeline.config import LaunchConfig, RewardModelConfig, RewardModelJob, TrainingConfig, TrainPaths, to_dict
 from align_pipeline.data import demo_task
 from align_pipeline.data.formats import save_npz
 from align_pipeline.data.schemas import DataValidationError, read_raw_jsonl
@@ -41,9 +41,8 @@ def test_bad_regression_label_names_file_line_and_field(tmp_path):
         read_raw_jsonl(path, "regression")
 
 
-def test_regression_reward_model_learns_with_missing_labels(tmp_path):
-    data = make_sft_data(tmp_path / "sft")
-    policy = run_sft(sft_job(data, tmp_path / "sft_run", training={"train_steps": 10}))["model_dir"]
+def test_regression_reward_model_learns_with_missing_labels(tiny_models, tmp_path):
+    data, policy = tiny_models["sft_data"], tiny_models["sft"]
     raw_path = tmp_path / "regression.jsonl"
     raw_path.write_text("".join(json.dumps(r) + "\n" for r in _steerlm_records(1200)))
     raw = read_raw_jsonl(raw_path, "regression")
@@ -56,14 +55,16 @@ def test_regression_reward_model_learns_with_missing_labels(tmp_path):
         save_npz(paths[split], bundle.arrays, bundle.meta)
     run_dir = tmp_path / "rm_run"
     run_dir.mkdir()
-    job = RewardModelJobConfig(
-        run_dir=str(run_dir), train_data=paths["train"], val_data=paths["val"], tokenizer=data["tokenizer"],
-        init_from=policy, model=TINY_MODEL, reward=RewardHeadConfig(loss="regression", pooling="mean"),
-        training=TrainingConfig(train_steps=60, global_batch_size=16, micro_batch_size=16, log_interval=10,
-                                eval_interval=0, save_interval=0),
+    job = RewardModelJob(
+        reward_model=RewardModelConfig(
+            loss="regression", pooling="mean",
+            training=TrainingConfig(train_steps=60, global_batch_size=16, micro_batch_size=16, log_interval=10,
+                                    eval_interval=0, save_interval=0)),
+        model=TINY_MODEL, paths=TrainPaths(run_dir=str(run_dir), train_data=paths["train"], val_data=paths["val"],
+                                           tokenizer=data["tokenizer"], init_from=policy),
     )
     result = run_torchrun("align_pipeline.train.reward_model", to_dict(job), LaunchConfig(), run_dir)
     first = result["history"][0]["loss"]
     assert result["val_loss"] < 0.7 * first, (first, result["val_loss"])  # seen: 0.269 -> 0.139
     meta = json.loads((Path(result["model_dir"]) / "meta.json").read_text())
-    assert meta["head"] == "value" and meta["num_outputs"] == 2 and meta["reward"]["loss"] == "regression"
+    assert meta["head"] == "value" and meta["num_outputs"] == 2 and meta["reward_head"]["loss"] == "regression"

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
-from jobs import TINY_MODEL, make_pref_data, make_prompts, make_sft_data, run_sft, sft_job
+from jobs import TINY_MODEL
 
 from align_pipeline.config import (
     GenerationConfig,
@@ -18,14 +18,16 @@ from align_pipeline.config import (
     LaunchConfig,
     OptimizerConfig,
     ParallelConfig,
-    PPOJobConfig,
+    PPOConfig,
+    PPOJob,
     PPOLossConfig,
-    ReinforceJobConfig,
+    PPOPaths,
+    ReinforceConfig,
+    ReinforceJob,
     ReinforceLossConfig,
     RewardConfig,
-    RewardModelJobConfig,
     RLLoopConfig,
-    TrainingConfig,
+    RLPaths,
     to_dict,
 )
 from align_pipeline.launch import run_torchrun
@@ -36,27 +38,12 @@ DETERMINISTIC = ("rollout/", "train/", "critic/", "val/")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl")
-    data = make_sft_data(root / "data")
-    pref = make_pref_data(root / "data", data["tokenizer"])
-    prompts = make_prompts(root / "data", data["tokenizer"])
-    sft = run_sft(sft_job(data, root / "sft", training={"train_steps": 30, "global_batch_size": 16}))
-    rm_job = RewardModelJobConfig(
-        run_dir=str(root / "rm"), train_data=pref["train"], val_data=pref["val"], tokenizer=data["tokenizer"],
-        init_from=sft["model_dir"], model=TINY_MODEL,
-        training=TrainingConfig(seed=3, train_steps=4, global_batch_size=8, micro_batch_size=4, eval_interval=0,
-                                eval_samples=16, save_interval=0, optimizer=OptimizerConfig(lr=1e-3, warmup_steps=1)),
-    )
-    Path(rm_job.run_dir).mkdir(parents=True)
-    rm = run_torchrun("align_pipeline.train.reward_model", to_dict(rm_job), LaunchConfig(), rm_job.run_dir)
-    return {"tokenizer": data["tokenizer"], "prompts": prompts, "sft": sft["model_dir"], "rm": rm["model_dir"]}
+def models(tiny_models):
+    return tiny_models
 
 
-def _rl_fields(models, run_dir: Path, iterations: int) -> dict:
+def _rl_section(iterations: int) -> dict:
     return {
-        "run_dir": str(run_dir), "prompts": models["prompts"]["train"], "val_prompts": models["prompts"]["val"],
-        "tokenizer": models["tokenizer"], "init_from": models["sft"], "model": TINY_MODEL,
         "rl": RLLoopConfig(seed=11, iterations=iterations, prompts_per_iteration=8, epochs=2, minibatches=2,
                            micro_batch_size=2, eval_interval=0, eval_prompts=8, save_interval=0),
         "generation": GenerationConfig(max_new_tokens=8, samples_per_prompt=1, seed=5),
@@ -64,28 +51,35 @@ def _rl_fields(models, run_dir: Path, iterations: int) -> dict:
     }
 
 
-def ppo_job(models, run_dir: Path, iterations: int = 2, **overrides) -> PPOJobConfig:
-    job = PPOJobConfig(
-        **_rl_fields(models, run_dir, iterations), reward_model=models["rm"],
+def _rl_paths(models, run_dir: Path, **extra) -> dict:
+    return {"run_dir": str(run_dir), "prompts": models["prompts"]["train"], "val_prompts": models["prompts"]["val"],
+            "tokenizer": models["tokenizer"], "policy": models["sft"], **extra}
+
+
+def ppo_job(models, run_dir: Path, iterations: int = 2, parallel: ParallelConfig | None = None,
+            stop_after: int | None = None) -> PPOJob:
+    section = PPOConfig(
+        **_rl_section(iterations),
         reward=RewardConfig(reward_model_weight=1.0, checker_weight=1.0, missing_eos_penalty=0.5),
-        kl=KLConfig(coef=0.1, adaptive=True, target=0.5, horizon=100.0),
-        ppo=PPOLossConfig(entropy_coef=0.01), critic_optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0),
+        kl=KLConfig(beta=0.1, adaptive=True, target=0.5, horizon=100.0),
+        loss=PPOLossConfig(entropy_coef=0.01), critic_optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0),
     )
-    return dataclasses.replace(job, **overrides)
+    return PPOJob(ppo=section, model=TINY_MODEL, parallel=parallel or ParallelConfig(),
+                  paths=PPOPaths(**_rl_paths(models, run_dir, reward_model=models["rm"])), stop_after=stop_after)
 
 
-def reinforce_job(models, run_dir: Path, iterations: int = 2, **overrides) -> ReinforceJobConfig:
-    fields = _rl_fields(models, run_dir, iterations)
+def reinforce_job(models, run_dir: Path, iterations: int = 2, stop_after: int | None = None, **section) -> ReinforceJob:
+    fields = {**_rl_section(iterations), "reward": RewardConfig(reward_model_weight=0.0, checker_weight=1.0),
+              "loss": ReinforceLossConfig(estimator="grpo"), "kl": KLConfig(estimator="k3", beta=0.05), **section}
     fields["generation"] = dataclasses.replace(fields["generation"], samples_per_prompt=4)
-    job = ReinforceJobConfig(**fields, reward=RewardConfig(reward_model_weight=0.0, checker_weight=1.0),
-                             loss=ReinforceLossConfig(estimator="grpo", kl_coef=0.05))
-    return dataclasses.replace(job, **overrides)
+    return ReinforceJob(reinforce=ReinforceConfig(**fields), model=TINY_MODEL, paths=RLPaths(**_rl_paths(models, run_dir)),
+                        stop_after=stop_after)
 
 
 def run(module: str, job, nproc: int = 1) -> dict:
-    Path(job.run_dir).mkdir(parents=True, exist_ok=True)
+    Path(job.paths.run_dir).mkdir(parents=True, exist_ok=True)
     return run_torchrun(f"align_pipeline.train.{module}", to_dict(job), LaunchConfig(nproc_per_node=nproc),
-                        job.run_dir)
+                        job.paths.run_dir)
 
 
 def outputs_of(model_dir: str, run_dir: Path, head: str = "lm", nproc: int = 1, parallel: dict | None = None):
@@ -131,7 +125,7 @@ def test_one_ppo_iteration_trains_actor_and_critic_and_leaves_reference_and_rm_a
                 "rollout/returns_std", "rollout/values_mean", "train/policy_loss", "train/clip_fraction",
                 "train/approx_kl", "train/entropy", "train/grad_norm", "train/lr", "critic/value_loss",
                 "critic/grad_norm", "timing/generate_s", "timing/train_s", "throughput/generated_tokens_per_s",
-                "rollout/kl_coef"):
+                "rollout/kl_beta"):
         assert key in it, key
     assert it["rollout/init_policy_kl"] == pytest.approx(0.0, abs=1e-5)  # the actor starts as the reference
     assert it["train/entropy"] > 0 and it["train/grad_norm"] > 0 and it["critic/grad_norm"] > 0
@@ -161,7 +155,7 @@ def test_ppo_tensor_parallel_matches_one_rank(models, tmp_path):
 def test_resume_after_interruption_continues_with_identical_metrics(models, tmp_path, module):
     make = ppo_job if module == "ppo" else reinforce_job
     full = run(module, make(models, tmp_path / "full", iterations=3))
-    stopped = run(module, make(models, tmp_path / "resumed", iterations=3, stop_after_iterations=1))
+    stopped = run(module, make(models, tmp_path / "resumed", iterations=3, stop_after=1))
     assert stopped["stopped_at_iteration"] == 1
     resumed = run(module, make(models, tmp_path / "resumed", iterations=3))
     assert [h["iteration"] for h in resumed["history"]] == [2, 3]
@@ -173,7 +167,7 @@ def test_resume_after_interruption_continues_with_identical_metrics(models, tmp_
 def test_reinforce_rloo_single_step_and_data_parallel(models, tmp_path):
     """On-policy RLOO (one step per rollout: no ratio) on two DP ranks; groups stay whole on a rank."""
     job = reinforce_job(models, tmp_path / "rloo", iterations=2,
-                        loss=ReinforceLossConfig(estimator="rloo"),
+                        loss=ReinforceLossConfig(estimator="rloo"), kl=KLConfig(estimator="k3", beta=0.0),
                         rl=RLLoopConfig(seed=3, iterations=2, prompts_per_iteration=8, epochs=1, minibatches=1,
                                         micro_batch_size=8, eval_interval=1, eval_prompts=8, save_interval=0))
     result = run("reinforce", job, nproc=2)

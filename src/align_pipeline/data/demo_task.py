@@ -89,16 +89,6 @@ def check(prompt: str, response: str, answer: str | None = None) -> bool:
     return normalize_response(response) == expected.strip()
 
 
-def reward(prompt: str, response: str, answer: str | None = None) -> float:
-    """The verifiable reward: 1.0 when :func:`check` passes, else 0.0."""
-    return 1.0 if check(prompt, response, answer) else 0.0
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Plausible wrong answers
-# ---------------------------------------------------------------------------------------------------------------
-
-
 def _wrong_add(a: int, b: int, rng: random.Random) -> str:
     total = a + b
     candidates = []
@@ -248,7 +238,6 @@ __all__ = [
     "make_demo_datasets",
     "normalize_response",
     "reverse_prompt",
-    "reward",
     "task_kind",
     "wrong_answer_for",
 ]

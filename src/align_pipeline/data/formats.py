@@ -203,6 +203,23 @@ def read_meta(path: PathLike) -> dict[str, Any]:
     return json.loads(side.read_text())
 
 
+CHECKPOINT_META = "meta.json"
+"""The metadata file of a checkpoint directory (model config, head, tokenizer, step, lineage)."""
+
+
+def is_checkpoint(path: PathLike) -> bool:
+    """A complete checkpoint directory (its meta.json is written last, after every shard)."""
+    return (Path(path) / CHECKPOINT_META).is_file()
+
+
+def checkpoint_meta(path: PathLike) -> dict[str, Any]:
+    """``meta.json`` of a checkpoint directory, read as JSON (no torch, no Megatron: the Kedro side reads it too)."""
+    meta_path = Path(path) / CHECKPOINT_META
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {CHECKPOINT_META})")
+    return json.loads(meta_path.read_text())
+
+
 def content_fingerprint(path: PathLike) -> str:
     """Recompute the fingerprint of an npz or jsonl artifact from its content."""
     if os.fspath(path).endswith(".npz"):
@@ -226,6 +243,7 @@ def load_artifact(path: PathLike, verify: bool = False) -> Artifact:
 
 
 __all__ = [
+    "CHECKPOINT_META",
     "ArrayBundle",
     "Artifact",
     "RecordBundle",
@@ -233,8 +251,10 @@ __all__ = [
     "atomic_open",
     "atomic_write_bytes",
     "atomic_write_json",
+    "checkpoint_meta",
     "content_fingerprint",
     "file_sha256",
+    "is_checkpoint",
     "load_artifact",
     "load_jsonl",
     "load_npz",

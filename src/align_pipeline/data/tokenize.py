@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from align_pipeline.config.base import ConfigError
+
 from .formats import ArrayBundle, RecordBundle
 from .schemas import RawData, sft_prompt_text, sft_segments
 from .tokenizer import TextTokenizer, TokenizerConfig
@@ -56,7 +58,7 @@ class DataPrepConfig:
         for name in ("val_fraction", "prompts_val_fraction"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value < 1.0:
-                raise ValueError(f"data_prep.{name} must be in [0, 1), got {value}")
+                raise ConfigError(f"data_prep.{name} must be in [0, 1), got {value}")
 
     def val_fraction_for(self, kind: str) -> float:
         """The held-out share of a raw file of ``kind``."""

@@ -31,6 +31,8 @@ from typing import Any, Literal
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from align_pipeline.config.base import ConfigError
+
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "align_tokenizer.json"
 HF_COPY_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -53,9 +55,9 @@ class TokenizerConfig:
 
     def validate(self) -> None:
         if self.vocab_size < len(SPECIAL_TOKENS) + 1:
-            raise ValueError(f"tokenizer.vocab_size must be > {len(SPECIAL_TOKENS)}, got {self.vocab_size}")
+            raise ConfigError(f"tokenizer.vocab_size must be > {len(SPECIAL_TOKENS)}, got {self.vocab_size}")
         if self.min_frequency < 1:
-            raise ValueError(f"tokenizer.min_frequency must be >= 1, got {self.min_frequency}")
+            raise ConfigError(f"tokenizer.min_frequency must be >= 1, got {self.min_frequency}")
 
 
 class TextTokenizer:

@@ -8,7 +8,6 @@ requested (default: latest complete) version, so nodes pass paths, never weights
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path, PurePosixPath
@@ -63,7 +62,3 @@ class CheckpointDataset(AbstractVersionedDataset[str, str]):
 
     def _describe(self) -> dict[str, Any]:
         return {"filepath": str(self._filepath), "version": self._version}
-
-    def meta(self) -> dict[str, Any]:
-        """meta.json of the version that ``load()`` returns."""
-        return json.loads((Path(self._load()) / META_FILE).read_text())

@@ -336,7 +336,8 @@ def run_torchrun(
 
     Args:
         module: the entry point module (``align_pipeline.train.<stage>``).
-        config: JSON-serialisable config for the entry point; ``run_dir`` is added (it must match if present).
+        config: JSON-serialisable config for the entry point; its ``paths.run_dir`` or ``run_dir`` must match
+            ``run_dir`` (``run_dir`` is added when it has neither).
         launch: world layout and launch settings (:class:`~align_pipeline.config.LaunchConfig` or its dict).
         run_dir: directory of the job: ``config.json``, ``result.json``, ``logs/rank<N>.log``, ``logs/torchrun.log``.
         env: extra environment variables for the job (override everything else).
@@ -358,9 +359,12 @@ def run_torchrun(
         stale.unlink(missing_ok=True)
 
     config = dict(config)
-    if "run_dir" in config and Path(config["run_dir"]).resolve() != run_dir:
-        raise ValueError(f"config['run_dir'] = {config['run_dir']!r} differs from run_dir = {str(run_dir)!r}")
-    config["run_dir"] = str(run_dir)
+    # A stage's job names its run directory in ``paths.run_dir``; a plain worker config gets ``run_dir`` added.
+    holder = config["paths"] if isinstance(config.get("paths"), dict) and "run_dir" in config["paths"] else config
+    if "run_dir" in holder and Path(holder["run_dir"]).resolve() != run_dir:
+        raise ValueError(f"the config's run_dir {holder['run_dir']!r} differs from run_dir = {str(run_dir)!r}")
+    if holder is config:
+        config["run_dir"] = str(run_dir)
     config_path.write_text(json.dumps(config, indent=2, default=str))
 
     backend = resolve_backend(launch.backend)

@@ -1,12 +1,11 @@
 """Pure loss functions: ``(loss_sum, count, metric sums)``, see :mod:`align_pipeline.losses.base`."""
 
-from align_pipeline.losses.base import Loss, LossOutput
+from align_pipeline.losses.base import LossOutput
 from align_pipeline.losses.ppo import (
     entropy_bonus,
     entropy_from_logits,
     ppo_policy_loss,
     ppo_value_loss,
-    reinforce_loss,
 )
 from align_pipeline.losses.preference import (
     PREFERENCE_LOSSES,
@@ -19,16 +18,15 @@ from align_pipeline.losses.preference import (
     hinge_loss,
     ipo_loss,
     rpo_loss,
-    sft_mix,
     simpo_loss,
 )
+from align_pipeline.losses.reinforce import reinforce_loss
 from align_pipeline.losses.reward import bradley_terry_loss, regression_reward_loss
 from align_pipeline.losses.sft import masked_token_loss
 
 __all__ = [
     "PREFERENCE_LOSSES",
     "REFERENCE_FREE_LOSSES",
-    "Loss",
     "LossOutput",
     "PreferenceLogps",
     "PreferenceLoss",
@@ -46,6 +44,5 @@ __all__ = [
     "regression_reward_loss",
     "reinforce_loss",
     "rpo_loss",
-    "sft_mix",
     "simpo_loss",
 ]

@@ -13,13 +13,48 @@ touch ``torch.distributed``.
 
 from __future__ import annotations
 
-from typing import Protocol
+import math
 
 import torch
 
 LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
-class Loss(Protocol):
-    def __call__(self, *args: torch.Tensor, **kwargs) -> LossOutput: ...
+# Helpers of the token-level losses (losses.ppo, losses.reinforce): masked positions become 0 before any arithmetic.
+def clipped_surrogate(
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token ``(loss, clipped, ratio)`` of PPO eq. 7 on already-filled [B, T] tensors."""
+    ratio = torch.exp(logp - old_logp)  # [B, T]  ρ
+    unclipped = -adv * ratio  # [B, T]
+    clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)  # [B, T]
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).detach(), ratio.detach()
 
+
+def fill(x: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x where m, else 0 (before any arithmetic, so masked garbage cannot make NaN gradients)."""
+    return torch.where(m, x.to(dtype), 0.0)
+
+
+def masked_sum(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m, x, 0.0).sum()
+
+
+def count_tokens(m: torch.Tensor) -> torch.Tensor:
+    return m.sum().to(torch.int)
+
+
+def float_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def check_clip(fn: str, clip_eps: float) -> None:
+    if not (math.isfinite(clip_eps) and 0 < clip_eps < 1):
+        raise ValueError(f"{fn}: clip_eps must be in (0, 1), got {clip_eps}")
+
+
+def check_tokens(fn: str, **tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(x.shape) for name, x in tensors.items()}
+    first = next(iter(shapes.values()))
+    if len(first) != 2 or any(s != first for s in shapes.values()):
+        raise ValueError(f"{fn}: expected [B, T] tensors of one shape; got {shapes}")

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from align_pipeline.checks import check_nonnegative, check_positive
+from align_pipeline.config.dpo import REFERENCE_FREE_LOSSES  # noqa: F401  (re-exported: losses that never read ref_*)
 from align_pipeline.losses.base import LossOutput
 
 
@@ -263,32 +264,6 @@ def simpo_loss(batch: PreferenceLogps, *, beta: float, gamma: float) -> LossOutp
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def sft_mix(chosen_token_nll_sum: torch.Tensor, chosen_tokens: torch.Tensor, *, weight: float = 1.0) -> LossOutput:
-    """Token-level SFT term on the chosen responses, as its own loss over tokens.
-
-    ::
-
-        loss_sum = weight · Σ_b nll_b,   count = Σ_b |y_c,b|
-
-    Args:
-      chosen_token_nll_sum: [B], Σ over the chosen response tokens of -log π(token); ``-batch.policy_chosen`` when
-        the policy log-probs are summed over the same tokens.
-      chosen_tokens: [B], number of chosen response tokens.
-      weight: ≥ 0, multiplies ``loss_sum`` only; the metric ``sft_loss`` is the unweighted NLL sum.
-
-    Its count (tokens) differs from a preference loss's (pairs), and the training loop gives one loss output one
-    count (Megatron normalises the gradient by it), so this cannot be added to a preference loss's sum as is. To train
-    on both in one backward, use :func:`combine`, which puts the SFT term per sequence. Use ``sft_mix`` where the
-    token-level mean is wanted on its own (evaluation, logging, or a trainer that normalises each term by its own
-    reduced count).
-    """
-    _check_pair_shapes(chosen_token_nll_sum, chosen_tokens)
-    check_nonnegative("weight", weight)
-    nll_sum = chosen_token_nll_sum.float().sum()  # []
-    count = chosen_tokens.sum().to(torch.int)  # []
-    return weight * nll_sum, count, {"sft_loss": nll_sum.detach()}
-
-
 def combine(
     pref: LossOutput,
     chosen_token_nll_sum: torch.Tensor,
@@ -338,8 +313,6 @@ PREFERENCE_LOSSES: dict[str, Callable[..., LossOutput]] = {
 }
 """Name → loss. Each is called as ``fn(batch: PreferenceLogps, *, beta, **params)``; an unknown param is a TypeError."""
 
-REFERENCE_FREE_LOSSES: frozenset[str] = frozenset({"simpo"})
-"""Losses that never read ``ref_*``: a trainer may skip the reference forward pass for these."""
 
 
 def get_preference_loss(name: str) -> PreferenceLoss:

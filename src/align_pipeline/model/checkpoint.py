@@ -26,24 +26,15 @@ import torch
 import torch.distributed as tdist
 from megatron.core import dist_checkpointing, tensor_parallel
 
-META_FILE = "meta.json"
+from align_pipeline.data.formats import CHECKPOINT_META as META_FILE
+from align_pipeline.data.formats import checkpoint_meta as read_meta
+from align_pipeline.data.formats import is_checkpoint
+
 FORMAT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 # "fully_reshardable": the distributed optimizer's default sharding type fails to load on CPU ("ShardedTensor.
 # flattened_range is not supported"), and this one also reshards across DP sizes.
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """``meta.json`` of a checkpoint directory (raises a clear error when it is not a complete checkpoint)."""
-    meta_path = Path(path) / META_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META_FILE})")
-    return json.loads(meta_path.read_text())
-
-
-def is_checkpoint(path: str | os.PathLike) -> bool:
-    return (Path(path) / META_FILE).is_file()
 
 
 def iteration_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -62,6 +53,15 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The complete training checkpoint with the highest step under ``run_dir/checkpoints``, or None."""
     found = complete_checkpoints(run_dir)
     return found[max(found)] if found else None
+
+
+def reward_pooling(path: str | os.PathLike) -> str:
+    """How the value-head checkpoint at ``path`` pools per-token values into a sequence reward (set when the reward
+    model was trained; "last" or "mean")."""
+    meta = read_meta(path)
+    if meta.get("head") != "value" or "reward_head" not in meta:
+        raise ValueError(f"{path} is not a reward model (meta.json has no value head / reward_head.pooling)")
+    return meta["reward_head"]["pooling"]
 
 
 def _unwrap(model):

@@ -251,12 +251,11 @@ def _unwrap(module):
 
 
 def _tp_rank_size(gpt) -> tuple[int, int]:
+    """This rank's place in the model's tensor-parallel group (the process groups it was built with)."""
     pgs = getattr(gpt, "pg_collection", None)
-    if pgs is not None and getattr(pgs, "tp", None) is not None:
-        return pgs.tp.rank(), pgs.tp.size()
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    if pgs is None or getattr(pgs, "tp", None) is None:
+        raise ValueError("the model has no process groups (build it with model.gpt.build_gpt)")
+    return pgs.tp.rank(), pgs.tp.size()
 
 
 def expected_hf_keys(config, tied: bool) -> tuple[set[str], set[str]]:

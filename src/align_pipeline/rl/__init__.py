@@ -11,14 +11,12 @@ from align_pipeline.rl.advantages import (
     moments_to_mean_var,
     rloo_advantages,
     token_rewards,
-    whiten,
     whiten_with,
 )
 from align_pipeline.rl.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
-    KLController,
     KLEstimator,
     kl_k1,
     kl_k2,
@@ -30,7 +28,6 @@ __all__ = [
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
-    "KLController",
     "KLEstimator",
     "gae",
     "grpo_advantages",
@@ -42,6 +39,5 @@ __all__ = [
     "moments_to_mean_var",
     "rloo_advantages",
     "token_rewards",
-    "whiten",
     "whiten_with",
 ]

@@ -20,7 +20,7 @@ import math
 import torch
 
 
-def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
     """Per-token PPO rewards: a KL penalty on every response token, the sequence score on the last one.
 
     Ziegler et al. 2019, eq. 2 (``R(x, y) = r(x, y) - β log(π(y|x) / ρ(y|x))``), spread over tokens as in their code
@@ -33,20 +33,20 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl
       kl: [B, T], per-token KL estimate (e.g. ``kl_penalty(logp, ref_logp, "k1")``); masked positions are ignored.
       mask: [B, T], 1 on response tokens. Rows may have different lengths and any padding side; every row needs at
         least one response token (``ValueError`` otherwise).
-      kl_coef: β ≥ 0 (a KL controller's ``value``).
+      beta: β ≥ 0 (a KL controller's ``value``).
 
     Returns [B, T] rewards, 0 outside the response.
     """
     _check_tokens("token_rewards", kl=kl, mask=mask)
     if scores.shape != kl.shape[:1]:
         raise ValueError(f"token_rewards: scores must be [B] = [{kl.shape[0]}], got {tuple(scores.shape)}")
-    if not (math.isfinite(kl_coef) and kl_coef >= 0):
-        raise ValueError(f"token_rewards: kl_coef must be a finite number >= 0, got {kl_coef}")
+    if not (math.isfinite(beta) and beta >= 0):
+        raise ValueError(f"token_rewards: beta must be a finite number >= 0, got {beta}")
     m = mask.bool()  # [B, T]
     if not bool(m.any(dim=1).all()):
         raise ValueError("token_rewards: every row of mask needs at least one response token")
     dtype = _float_dtype(kl)
-    rewards = torch.where(m, -kl_coef * kl.detach().to(dtype), 0.0)  # [B, T]
+    rewards = torch.where(m, -beta * kl.detach().to(dtype), 0.0)  # [B, T]
     last = m.shape[1] - 1 - m.flip(dims=[1]).to(torch.uint8).argmax(dim=1)  # [B]  index of the last 1 in each row
     rows = torch.arange(m.shape[0], device=m.device)  # [B]
     rewards[rows, last] += scores.detach().to(dtype)  # [B, T]
@@ -80,7 +80,7 @@ def gae(
       lam: λ in [0, 1]; λ = 0 gives the one-step TD error, λ = 1 the Monte-Carlo return minus V.
 
     Returns ``(advantages, returns)``, both [B, T], un-whitened, 0 outside the response (whiten the advantages after
-    computing the returns; see :func:`whiten`).
+    computing the returns; see :func:`whiten_with`).
     """
     _check_tokens("gae", rewards=rewards, values=values, mask=mask)
     for name, x in (("gamma", gamma), ("lam", lam)):
@@ -164,28 +164,6 @@ def whiten_with(
     return torch.where(mask.bool(), out, 0.0).to(dtype)  # [B, T]
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """Masked whitening with this micro-batch's statistics: mean 0 and (population) variance 1 over the entries where
-    ``mask`` is 1; masked entries neither count towards the statistics nor keep a value (0 in the output).
-
-    Equivalent to ``whiten_with(x, mask, *moments_to_mean_var(*masked_moments(x, mask)), shift_mean, eps)``; use that
-    form with all-reduced moments to whiten over the global batch.
-
-    Args:
-      x: [B, T] (typically GAE advantages).
-      mask: [B, T], 1 on response tokens.
-
-    Returns [B, T].
-    """
-    mean, var = moments_to_mean_var(*masked_moments(x, mask))
-    return whiten_with(x, mask, mean, var, shift_mean=shift_mean, eps=eps)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Group baselines (REINFORCE family: n samples per prompt, one scalar score per sample)
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def rloo_advantages(scores: torch.Tensor) -> torch.Tensor:
     """REINFORCE Leave-One-Out baseline (Ahmadian et al. 2024, "Back to Basics", the RLOO estimator; Kool et al. 2019)::
 
@@ -214,7 +192,7 @@ def grpo_advantages(scores: torch.Tensor, eps: float = 1e-6, scale: bool = True)
     ``compute_grpo_outcome_advantage`` use (``torch.std``' default): the paper does not say which, and matching those
     keeps their hyper-parameters and published curves comparable. With n-1 the advantages of a group have variance
     (n-1)/n rather than 1; for binary rewards with n = 4 and one success: sample std 0.5, population std 0.433.
-    (:func:`whiten` uses the population variance; it normalises many tokens, where the difference is negligible.)
+    (:func:`whiten_with` uses the population variance; it normalises many tokens, where the difference is negligible.)
 
     Args:
       scores: [P, n], n ≥ 2 samples per prompt (row = prompt; a flat prompt-major [P·n] is ``view(-1, n)``).

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
@@ -83,18 +83,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimato
 # --------------------------------------------------------------------------------------------------------------------
 
 
-class KLController(Protocol):
-    """The interface a PPO trainer uses: read ``value`` (β) for the rewards, ``update`` once per step."""
-
-    value: float
-
-    def update(self, current_kl: float, n_steps: int) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
 class AdaptiveKLController:
     """Adaptive β (Ziegler et al. 2019, §2.2): a proportional controller driving the KL towards ``target``.
 
@@ -107,7 +95,7 @@ class AdaptiveKLController:
     number of samples (episodes) in this update, so β moves by at most ±0.2·n_steps/horizon per update.
 
     Args:
-      init_kl_coef: β_0 > 0.
+      beta: β_0 > 0.
       target: KL_target > 0, in the units of ``current_kl`` (nats per sequence when KL_t is the mean over the batch of
         the per-sequence sum of per-token KL, as in the paper).
       horizon: > 0.
@@ -115,11 +103,11 @@ class AdaptiveKLController:
     ``current_kl`` must be the same number on every data-parallel rank (all-reduce it first) so that β stays in sync.
     """
 
-    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
-        check_positive("init_kl_coef", init_kl_coef)
+    def __init__(self, beta: float, target: float, horizon: float) -> None:
+        check_positive("beta", beta)
         check_positive("target", target)
         check_positive("horizon", horizon)
-        self.value = float(init_kl_coef)
+        self.value = float(beta)
         self.target = float(target)
         self.horizon = float(horizon)
 
@@ -145,9 +133,9 @@ class AdaptiveKLController:
 class FixedKLController:
     """Constant β, with the :class:`AdaptiveKLController` interface (``update`` does nothing)."""
 
-    def __init__(self, kl_coef: float) -> None:
-        check_nonnegative("kl_coef", kl_coef)
-        self.value = float(kl_coef)
+    def __init__(self, beta: float) -> None:
+        check_nonnegative("beta", beta)
+        self.value = float(beta)
 
     def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
         """No-op."""

@@ -7,7 +7,6 @@ from align_pipeline.tracking.mlflow_logger import (
     default_tracking_uri,
     flatten,
     numeric_items,
-    resolve_tracking_uri,
 )
 from align_pipeline.tracking.system_metrics import SystemMetrics
 
@@ -22,5 +21,4 @@ __all__ = [
     "git_tags",
     "lineage_tags",
     "numeric_items",
-    "resolve_tracking_uri",
 ]

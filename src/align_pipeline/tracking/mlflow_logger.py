@@ -48,11 +48,6 @@ def default_tracking_uri(project_path: str | Path) -> str:
     return "sqlite:///" + Path(project_path).resolve().joinpath("mlflow.db").as_posix()
 
 
-def resolve_tracking_uri(project_path: str | Path) -> str:
-    """``MLFLOW_TRACKING_URI`` from the environment if set, else :func:`default_tracking_uri`."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(project_path)
-
-
 def child_run_env() -> dict[str, str]:
     """``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID`` of the active MLflow run (in this thread); ``{}`` when none.
 
@@ -276,5 +271,4 @@ __all__ = [
     "flatten",
     "numeric_items",
     "param_value",
-    "resolve_tracking_uri",
 ]

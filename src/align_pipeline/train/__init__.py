@@ -1,4 +1,5 @@
-"""torchrun entry points, one per stage (``python -m align_pipeline.train.<stage> --config <json>``)."""
+"""torchrun entry points, one recipe per stage (``python -m align_pipeline.train.<stage> --config <json>``); the
+toolbox they call is :mod:`align_pipeline.train.core`."""
 
 import warnings
 

@@ -1,27 +1,38 @@
-"""DPO-family entry point: direct preference optimisation against cached reference log-probs.
+"""DPO family: direct preference optimisation against cached reference log-probs.
 
     torchrun --nproc_per_node 2 -m align_pipeline.train.dpo --config run/config.json
 
-The policy starts from ``init_from`` (normally ``sft_policy``); the reference log-probs come precomputed from
-``align_pipeline.train.reference_logps`` (no reference forward pass here). The loss is the function the config names in
-:data:`align_pipeline.losses.preference.PREFERENCE_LOSSES` (dpo, ipo, rpo, simpo, hinge), optionally mixed with an SFT
-term on the chosen response.
+The policy starts from ``paths.init_from`` (normally ``sft_policy``); the reference log-probs come precomputed from
+``align_pipeline.train.reference_logps`` (no reference forward pass here). The loss is the function ``dpo.loss.name``
+names in :data:`align_pipeline.losses.preference.PREFERENCE_LOSSES` (dpo, ipo, rpo, simpo, hinge), optionally mixed
+with an SFT term on the chosen response (``sft_weight``).
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from pathlib import Path
 
 import numpy as np
 
-from align_pipeline.config import DPOJobConfig
-from align_pipeline.losses.preference import REFERENCE_FREE_LOSSES, PreferenceLogps, combine, get_preference_loss
+from align_pipeline.config import DPOJob, PreferenceLossConfig, config_hash, to_dict
+from align_pipeline.data.tokenizer import load_tokenizer
+from align_pipeline.losses.preference import PreferenceLogps, combine, get_preference_loss
+from align_pipeline.model import init
 from align_pipeline.model.logprobs import token_nll
-from align_pipeline.train import loop, trainer
-from align_pipeline.train.reward_model import pair_batch
+from align_pipeline.model.sequences import pair_batch, run
+from align_pipeline.tracking import RunLogger
+from align_pipeline.train.core.batches import load_split_batches
+from align_pipeline.train.core.checkpointing import Checkpoints
+from align_pipeline.train.core.cli import cli
+from align_pipeline.train.core.distributed import init_distributed
+from align_pipeline.train.core.optimizer import build_trainable, peak_memory_gib, train_step
+from align_pipeline.train.core.progress import Progress, RunLog, finish, log
+from align_pipeline.train.core.schedule import evaluate_loss
 
 
-def with_reference(arrays: dict[str, np.ndarray], ref: np.lib.npyio.NpzFile | None, split: str) -> dict:
+def with_reference(arrays: dict[str, np.ndarray], ref, split: str) -> dict[str, np.ndarray]:
     """Attach the cached reference log-probs of ``split`` as per-sample arrays (indexed like the pairs)."""
     if ref is None:
         return arrays
@@ -34,18 +45,17 @@ def with_reference(arrays: dict[str, np.ndarray], ref: np.lib.npyio.NpzFile | No
     return {**arrays, **extra}
 
 
-def make_forward_loss(job: DPOJobConfig, vocab_size: int, tp_rank: int):
-    loss = functools.partial(get_preference_loss(job.loss.name), beta=job.loss.beta, **job.loss.options)
+def preference_loss(lc: PreferenceLossConfig, vocab_size: int, tp_rank: int):
+    """(module, pair batch) -> (logits, loss_fn): sequence log-probs of chosen and rejected -> the preference loss."""
+    loss = functools.partial(get_preference_loss(lc.name), beta=lc.beta, **lc.options)
 
     def forward_loss(module, batch):
         ids, labels, mask = pair_batch(batch)  # [2b, s]
-        logits = module(ids, loop.position_ids_like(ids), None)  # [2b, s, V/tp]
+        logits = run(module, ids)  # [2b, s, V/tp]
 
         def loss_fn(logits):
-            nll = token_nll(logits, labels, vocab_size, tp_rank) * mask  # [2b, s]
-            logps = -nll.sum(-1)  # [2b]
-            tokens = mask.sum(-1)  # [2b]
-            (pc, pr), (tc, tr) = logps.chunk(2), tokens.chunk(2)
+            logps = -(token_nll(logits, labels, vocab_size, tp_rank) * mask).sum(-1)  # [2b]
+            (pc, pr), (tc, tr) = logps.chunk(2), mask.sum(-1).chunk(2)  # [b] each
             pairs = PreferenceLogps(
                 policy_chosen=pc, policy_rejected=pr,
                 ref_chosen=batch.get("ref_chosen_logps"), ref_rejected=batch.get("ref_rejected_logps"),
@@ -53,31 +63,77 @@ def make_forward_loss(job: DPOJobConfig, vocab_size: int, tp_rank: int):
                 chosen_reward=batch["chosen_reward"], rejected_reward=batch["rejected_reward"],
             )
             out = loss(pairs)
-            if job.loss.sft_weight:
-                out = combine(out, -pc, tc, weight=job.loss.sft_weight)
-            return out
+            return combine(out, -pc, tc, weight=lc.sft_weight) if lc.sft_weight else out
 
         return logits, loss_fn
 
     return forward_loss
 
 
-def main(job: DPOJobConfig) -> dict:
-    if job.reference_logps is None and job.loss.name not in REFERENCE_FREE_LOSSES:
-        raise ValueError(f"loss {job.loss.name!r} needs reference log-probs (reference_logps is None)")
-    ref = np.load(job.reference_logps) if job.reference_logps else None
-    p = trainer.prepare(job, "dpo", with_arrays=lambda arrays, split: with_reference(arrays, ref, split))
-    name = job.loss.name
-    metrics = [f"{name}_loss", "accuracy", "rewards_chosen", "rewards_rejected", "rewards_margin", "logps_chosen",
-               "logps_rejected"] + (["sft_loss", "loss"] if job.loss.sft_weight else [])
-    spec = trainer.StageSpec(
-        name="dpo", forward_loss=make_forward_loss(job, p.source.vocab_size, p.dist.tp_rank), metrics=metrics,
-        loss_metric="loss" if job.loss.sft_weight else f"{name}_loss",
-        extra_meta={"preference_loss": {"name": name, "beta": job.loss.beta, "sft_weight": job.loss.sft_weight,
-                                        **job.loss.options}},
-    )
-    return trainer.fit(job, spec, p)
+def main(job: DPOJob) -> dict:
+    # ---- set-up: process groups, tokenizer, policy + optimizer, data with reference log-probs, checkpoints ----
+    lc, cfg, paths, run_dir = job.dpo.loss, job.dpo.training, job.paths, Path(job.paths.run_dir)
+    dist = init_distributed(job.parallel, cfg.seed)
+    logger = RunLogger(rank=dist.rank)
+    tok = load_tokenizer(paths.tokenizer)
+    source = init.resolve(paths.init_from, job.model, tok.vocab_size)
+    log(dist, f"[dpo] world={dist.world_size} tp={dist.tp_size} pp={dist.pp_size} dp={dist.dp_size} "
+              f"backend={dist.backend} init={source.parent['kind']}:{paths.init_from} loss={lc.name}")
+    policy = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist)
+    ref = np.load(paths.reference_logps) if paths.reference_logps else None
+    train, val = load_split_batches(paths.train_data, paths.val_data, cfg.global_batch_size, cfg.micro_batch_size,
+                                    dist, cfg.seed, extra=lambda arrays, split: with_reference(arrays, ref, split))
+    loss, seq_length = preference_loss(lc, source.vocab_size, dist.tp_rank), source.model.seq_length
+    loss_name = "loss" if lc.sft_weight else f"{lc.name}_loss"
+    metric_names = [f"{lc.name}_loss", "accuracy", "rewards_chosen", "rewards_rejected", "rewards_margin",
+                    "logps_chosen", "logps_rejected"] + (["sft_loss", "loss"] if lc.sft_weight else [])
+    ckpts = Checkpoints({"model": (policy, run_dir)}, dist, total=cfg.train_steps, interval=cfg.save_interval,
+                        keep=cfg.keep_checkpoints, resume=cfg.resume, stop_after=job.stop_after,
+                        meta={"stage": "dpo", "config_hash": config_hash(job)})
+    step, state = ckpts.resume()
+    if state is not None:
+        assert state["consumed_samples"] == step * cfg.global_batch_size, "data position does not match the step"
+        log(dist, f"[dpo] resumed at step {step} from {run_dir}")
+    logger.log_params({"job": to_dict(job), "world_size": dist.world_size, "resumed_from_step": step})
+    progress = Progress(cfg.train_steps, step, dist)
+    runlog = RunLog(dist, logger, progress, cfg.log_interval)
+    tokens_per_step = cfg.global_batch_size * seq_length * train.rows_per_sample
+
+    # ---- the loop: step, validate, log, checkpoint ----
+    metrics: dict[str, float] = {}
+    while step < cfg.train_steps:
+        t0 = time.perf_counter()
+        m = train_step(policy, train.microbatches(step), loss, metric_names, dist, seq_length)
+        step += 1
+        progress.add_tokens(tokens_per_step)
+        metrics = {"loss": m.pop(loss_name), **m, "step_time_s": time.perf_counter() - t0,
+                   "tokens_per_s": progress.tokens_per_s()}
+        shown = dict(metrics)
+        if cfg.eval_interval and step % cfg.eval_interval == 0 and step < cfg.train_steps:
+            shown.update(evaluate_loss(policy.model, val, loss, metric_names, loss_name, cfg.eval_samples, dist,
+                                       seq_length))
+        runlog.record(step, shown, {"step": step, "loss": metrics["loss"], "step_time_s": metrics["step_time_s"]},
+                      force="val_loss" in shown)
+        if ckpts.after_step(step, {"step": step, "consumed_samples": step * cfg.global_batch_size}):
+            log(dist, f"[dpo] stopping after {step - ckpts.started_at} steps (stop_after); a rerun resumes at {step}")
+            return finish(dist, logger, run_dir, {"stopped_at_step": step})
+
+    # ---- final validation, checkpoint and export ----
+    final = evaluate_loss(policy.model, val, loss, metric_names, loss_name, cfg.eval_samples, dist, seq_length)
+    progress.print(step, {**metrics, **final})
+    logger.log_metrics(final, step)
+    ckpts.save(step, {"step": step, "consumed_samples": step * cfg.global_batch_size})
+    dirs = ckpts.export(step, {
+        "stage": "dpo", "tokenizer": {"path": str(paths.tokenizer), "fingerprint": tok.fingerprint},
+        "saved_with_parallel": to_dict(job.parallel), "metrics": {**final, "train_loss": metrics.get("loss")},
+        "lineage": {**job.lineage, "config_hash": config_hash(job)},
+        "preference_loss": {"name": lc.name, "beta": lc.beta, "sft_weight": lc.sft_weight, **lc.options}})
+    return finish(dist, logger, run_dir, {
+        **dirs, "step": step, **final, "train_loss": metrics.get("loss"), "train_metrics": metrics,
+        "tokens_per_s": metrics.get("tokens_per_s"), "tokens_per_step": tokens_per_step,
+        "peak_memory_gib": peak_memory_gib(), "history": runlog.history})
+
 
 
 if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required
-    loop.cli(DPOJobConfig, main, __doc__)
+    cli(DPOJob, main, __doc__)

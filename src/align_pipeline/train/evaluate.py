@@ -17,66 +17,29 @@ import math
 from pathlib import Path
 
 import numpy as np
-import torch
 import torch.distributed as tdist
 
-from align_pipeline.config import EvaluationJobConfig, ModelConfig
+from align_pipeline.config import EvaluationJob, GenerationConfig, ModelConfig
 from align_pipeline.data.formats import load_jsonl
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.model import init
+from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.generate import generate
-from align_pipeline.model.logprobs import token_nll
-from align_pipeline.report import rank_policies, report_table
+from align_pipeline.model.sequences import nll_forward, rewards_forward
+from align_pipeline.report import flat_metrics, rank_policies, report_table
 from align_pipeline.tracking import RunLogger
-from align_pipeline.train import loop
-from align_pipeline.train.distributed import init_distributed, shutdown
-from align_pipeline.train.reward_model import pair_batch, sequence_rewards
-from align_pipeline.train.rollout import load_checker, to_rows
+from align_pipeline.train.core.batches import to_rows
+from align_pipeline.train.core.cli import cli
+from align_pipeline.train.core.distributed import init_distributed, shutdown
+from align_pipeline.train.core.optimizer import build_frozen
+from align_pipeline.train.core.progress import log
+from align_pipeline.train.core.rollout import load_checker
+from align_pipeline.train.core.schedule import per_sample
 
 
-def per_sample(model, rows: dict, fn, mb: int, dist) -> np.ndarray:
-    """Run ``fn(model, batch) -> (output, per_sample_fn)`` over ``rows`` (every rank holds all rows; DP splits)."""
-    n = len(next(iter(rows.values())))
-    batches = loop.ArrayBatches(rows, mb * dist.dp_size, mb, dist, seed=0, shuffle=False).eval_microbatches(
-        with_index=True)
-    with torch.no_grad():
-        values = loop.collect_per_sample(model, batches, fn, dist)
-    return loop.gather_by_index(values, batches, n, dist).cpu().numpy()
-
-
-def nll_fn(vocab_size: int, tp_rank: int):
-    def fn(module, batch):
-        logits = module(batch["input_ids"], loop.position_ids_like(batch["input_ids"]), None)
-
-        def stats(logits):
-            nll = token_nll(logits, batch["labels"], vocab_size, tp_rank) * batch["loss_mask"]  # [b, s]
-            return torch.stack([nll.sum(-1), batch["loss_mask"].sum(-1)], dim=-1)  # [b, 2]
-
-        return logits, stats
-
-    return fn
-
-
-def reward_fn(pooling: str):
-    def fn(module, batch):
-        if "input_ids" in batch:
-            ids, mask = batch["input_ids"], batch["loss_mask"]
-        else:  # preference pairs: chosen rows over rejected rows
-            ids, _, mask = pair_batch(batch)
-        values = module(ids, loop.position_ids_like(ids), None)
-
-        def stats(values):
-            r = sequence_rewards(values, mask, pooling)  # [rows]
-            return torch.stack(r.chunk(2), dim=-1) if "chosen_input_ids" in batch else r.unsqueeze(-1)
-
-        return values, stats
-
-    return fn
-
-
-def sample(model, prompts: list[list[int]], job: EvaluationJobConfig, tok, vocab: int, dist, greedy: bool,
+def sample(model, prompts: list[list[int]], g: GenerationConfig, tok, vocab: int, dist, greedy: bool,
            seq_length: int):
-    g = job.generation
+    """Responses of ``model`` to every prompt (DP ranks split them; all ranks get all): tokens, log-probs, EOS."""
     max_new = min(g.max_new_tokens, seq_length - max(len(p) for p in prompts))  # stay within the trained length
     mine = list(range(dist.dp_rank, len(prompts), dist.dp_size))  # DP ranks split the prompts
     out_tokens, out_logps, out_eos = [], [], []
@@ -97,39 +60,38 @@ def sample(model, prompts: list[list[int]], job: EvaluationJobConfig, tok, vocab
     return tokens, logps, eos
 
 
-def main(job: EvaluationJobConfig) -> dict:
-    dist = init_distributed(job.parallel, seed=job.generation.seed)
+def main(job: EvaluationJob) -> dict:
+    cfg, paths = job.evaluation, job.paths
+    dist = init_distributed(job.parallel, seed=cfg.generation.seed)
     logger = RunLogger(rank=dist.rank)
-    tok = load_tokenizer(job.tokenizer)
-    check = load_checker(job.checker)
-    records = load_jsonl(job.prompts)
-    g = job.generation
+    tok = load_tokenizer(paths.tokenizer)
+    check = load_checker(cfg.checker)
+    records = load_jsonl(paths.prompts)
+    g = cfg.generation
     prompts = [r["prompt_ids"] for r in records for _ in range(g.samples_per_prompt)]
     texts = [(r["prompt"], r.get("answer")) for r in records for _ in range(g.samples_per_prompt)]
-    mb = job.micro_batch_size
+    mb = cfg.micro_batch_size
+    sdpa = ModelConfig(attention_backend="sdpa")
 
-    ref_path = job.reference or job.policies.get("sft") or next(iter(job.policies.values()))
-    ref_src = init.resolve(ref_path, ModelConfig(attention_backend="sdpa"), 0)
+    ref_path = paths.reference or paths.policies.get("sft") or next(iter(paths.policies.values()))
+    ref_src = init.resolve(ref_path, sdpa, 0)
     seq_length = ref_src.model.seq_length
-    reference = init.build_model(ref_src, job.parallel, dist).eval()
+    reference = build_frozen(ref_src, job.parallel, dist)
     rm = rm_pooling = None
-    if job.reward_model:
-        rm_src = init.resolve(job.reward_model, ModelConfig(attention_backend="sdpa"), 0)
-        rm = init.build_model(rm_src, job.parallel, dist, head="value").eval()
-        from align_pipeline.model.checkpoint import read_meta
-
-        rm_pooling = read_meta(job.reward_model).get("reward", {}).get("pooling", "last")
+    if paths.reward_model:
+        rm = build_frozen(init.resolve(paths.reward_model, sdpa, 0), job.parallel, dist, head="value")
+        rm_pooling = reward_pooling(paths.reward_model)
 
     report: dict = {"policies": {}, "settings": {"prompts": len(records), **vars(g)}}
-    for name, path in job.policies.items():
-        src = init.resolve(path, ModelConfig(attention_backend="sdpa"), 0)
-        policy = reference if path == ref_path else init.build_model(src, job.parallel, dist).eval()
-        tokens, logps, eos = sample(policy, prompts, job, tok, src.vocab_size, dist, greedy=False,
+    for name, path in paths.policies.items():
+        src = init.resolve(path, sdpa, 0)
+        policy = reference if path == ref_path else build_frozen(src, job.parallel, dist)
+        tokens, logps, eos = sample(policy, prompts, g, tok, src.vocab_size, dist, greedy=False,
                                     seq_length=seq_length)
         responses = [tok.decode(t) for t in tokens]
         correct = [check(p, r, a) for (p, a), r in zip(texts, responses)]
         rows = to_rows(prompts, tokens, seq_length, tok.pad_id)
-        ref_stats = per_sample(reference, rows, nll_fn(ref_src.vocab_size, dist.tp_rank), mb, dist)  # [n, 2]
+        ref_stats = per_sample(reference, rows, nll_forward(ref_src.vocab_size, dist.tp_rank), mb, dist)  # [n, 2]
         n_tok = np.array([len(t) for t in tokens], dtype=np.float64)
         policy_logp = np.array([sum(lp) for lp in logps])
         kl = (policy_logp + ref_stats[:, 0]).sum() / max(n_tok.sum(), 1)  # sum(log pi - log pi_ref) / tokens
@@ -142,45 +104,45 @@ def main(job: EvaluationJobConfig) -> dict:
         for kind in sorted({_kind(p) for p, _ in texts}):
             sel = [c for (p, _), c in zip(texts, correct) if _kind(p) == kind]
             m[f"accuracy_{kind}"] = float(np.mean(sel))
-        if job.greedy:
-            gt, _, _ = sample(policy, [r["prompt_ids"] for r in records], job, tok, src.vocab_size, dist, greedy=True,
+        if cfg.greedy:
+            gt, _, _ = sample(policy, [r["prompt_ids"] for r in records], g, tok, src.vocab_size, dist, greedy=True,
                               seq_length=seq_length)
             m["greedy_accuracy"] = float(np.mean([check(r["prompt"], tok.decode(t), r.get("answer"))
                                                   for r, t in zip(records, gt)]))
         if rm is not None:
-            m["reward_model_score"] = float(per_sample(rm, rows, reward_fn(rm_pooling), mb, dist)[:, 0].mean())
-        if job.sft_data:
-            val = per_sample(policy, dict(np.load(job.sft_data)), nll_fn(src.vocab_size, dist.tp_rank), mb, dist)
+            m["reward_model_score"] = float(per_sample(rm, rows, rewards_forward(rm_pooling), mb, dist)[:, 0].mean())
+        if paths.sft_data:
+            val = per_sample(policy, dict(np.load(paths.sft_data)), nll_forward(src.vocab_size, dist.tp_rank), mb, dist)
             m["sft_val_perplexity"] = float(math.exp(val[:, 0].sum() / val[:, 1].sum()))
         m["examples"] = [{"prompt": p, "response": r, "correct": c}
                          for (p, _), r, c in list(zip(texts, responses, correct))[:8]]
         report["policies"][name] = m
-        loop.log(dist, f"[evaluation] {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items()
+        log(dist, f"[evaluation] {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items()
                                                              if isinstance(v, float)))
         if policy is not reference:
             del policy
-    if rm is not None and job.preference_data:
-        pairs = dict(np.load(job.preference_data))
-        r = per_sample(rm, pairs, reward_fn(rm_pooling), mb, dist)  # [n, 2]
+    if rm is not None and paths.preference_data:
+        pairs = dict(np.load(paths.preference_data))
+        r = per_sample(rm, pairs, rewards_forward(rm_pooling), mb, dist)  # [n, 2]
         report["reward_model"] = {"accuracy": float(np.mean(r[:, 0] > r[:, 1])),
                                   "mean_margin": float(np.mean(r[:, 0] - r[:, 1])), "pairs": len(r)}
-        loop.log(dist, f"[evaluation] reward model accuracy on held-out pairs: {report['reward_model']['accuracy']:.4f}")
+        log(dist, f"[evaluation] reward model accuracy on held-out pairs: {report['reward_model']['accuracy']:.4f}")
 
     report["ranking"] = rank_policies(report["policies"])
     table = report_table(report)
-    loop.log(dist, "[evaluation] policies ranked:\n" + table)
+    log(dist, "[evaluation] policies ranked:\n" + table)
     if dist.is_logging_rank:
-        out = Path(job.output_dir)
+        out = Path(paths.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=2))
         (out / "report.md").write_text(table + "\n")
         plots = write_plots(report, out)
         (out / "meta.json").write_text(json.dumps({"stage": "evaluation", "lineage": job.lineage,
-                                                   "policies": job.policies}, indent=2))
+                                                   "policies": paths.policies}, indent=2))
         logger.log_metrics(flat_metrics(report), step=0)
         for f in [out / "report.json", out / "report.md", *plots]:
             logger.log_artifact(f, "eval_report")
-        (Path(job.run_dir) / "result.json").write_text(json.dumps({"output_dir": str(out), "report": report}))
+        (Path(paths.run_dir) / "result.json").write_text(json.dumps({"output_dir": str(out), "report": report}))
     logger.close()
     shutdown()
     return report
@@ -188,13 +150,6 @@ def main(job: EvaluationJobConfig) -> dict:
 
 def _kind(prompt: str) -> str:
     return prompt.split(":", 1)[0] if ":" in prompt else "all"
-
-
-def flat_metrics(report: dict) -> dict[str, float]:
-    flat = {f"{name}/{k}": v for name, m in report["policies"].items() for k, v in m.items() if isinstance(v, float)}
-    flat.update({f"reward_model/{k}": float(v) for k, v in report.get("reward_model", {}).items()})
-    flat.update({f"{name}/rank": float(i) for i, name in enumerate(report.get("ranking", []), 1)})
-    return flat
 
 
 def write_plots(report: dict, out: Path) -> list[Path]:
@@ -223,4 +178,4 @@ def write_plots(report: dict, out: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    loop.cli(EvaluationJobConfig, main, __doc__)
+    cli(EvaluationJob, main, __doc__)

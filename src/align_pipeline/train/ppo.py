@@ -1,38 +1,45 @@
-"""PPO entry point: actor, critic, frozen reference and frozen reward model colocated in one job.
+"""PPO: actor, critic, frozen reference and frozen reward model colocated in one job.
 
     torchrun --nproc_per_node 2 -m align_pipeline.train.ppo --config run/config.json
 
-Each iteration (Ouyang et al. 2022 / Ziegler et al. 2019, as NeMo-Aligner and TRL run it):
+Each iteration (Ouyang et al. 2022 / Ziegler et al. 2019, as NeMo-Aligner and TRL run it), in :func:`main`'s loop:
 
-1. **Rollout.** This DP rank's prompts of the iteration (:class:`~align_pipeline.train.rollout.PromptStream`) are
-   continued by the actor with the KV-cached generator (``generation``: temperature, max new tokens, ...).
+1. **Rollout.** This DP rank's prompts of the iteration (:class:`~align_pipeline.train.core.batches.PromptStream`)
+   are continued by the actor with the KV-cached generator (``generation``: temperature, max new tokens, ...).
 2. **Score.** Sequence score = ``reward_model_weight`` x reward model + ``checker_weight`` x verifiable checker
    (- ``missing_eos_penalty``). Forward passes give the actor's (old) and the reference's per-token log-probs and the
    critic's values.
-3. **Advantages.** Per-token KL penalty against the reference (``kl.estimator``, coefficient from the fixed or
-   adaptive controller) + the score on the last token (:func:`~align_pipeline.rl.token_rewards`), GAE (gamma,
-   lambda), advantages whitened over the whole rollout (moments all-reduced over DP). The KL controller then updates
-   with the mean per-sequence KL.
+3. **Advantages.** Per-token KL penalty against the reference (``kl.estimator``, coefficient ``kl.beta`` from the
+   fixed or adaptive controller) + the score on the last token (:func:`~align_pipeline.rl.token_rewards`), GAE
+   (gamma, lambda), advantages whitened over the whole rollout (moments all-reduced over DP). The KL controller then
+   updates with the mean per-sequence KL.
 4. **Update.** ``epochs`` passes over the rollout in a seeded order, ``minibatches`` optimizer steps each: the actor
-   on the clipped policy loss (+ entropy bonus), the critic on the clipped value loss.
+   on the clipped policy loss (+ entropy bonus), then the critic on the clipped value loss.
+5. **Log and checkpoint.** Per-iteration metrics to MLflow; checkpoints hold actor and critic with their optimizers,
+   the KL controller and the prompt cursor (= the iteration) and RNG.
 
 Memory options (``offload``): the reference and reward model can live on the CPU except while scoring, the Adam
-moments (and bf16 main weights) on the CPU while generating. Checkpoints hold actor and critic with their optimizers,
-the KL controller, the prompt cursor and RNG; outputs: ``run_dir/actor/model`` (policy) and ``run_dir/critic/model``.
+moments (and bf16 main weights) on the CPU while generating. Outputs: ``run_dir/actor/model`` (policy) and
+``run_dir/critic/model``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
+from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as tdist
 
-from align_pipeline.config import PPOJobConfig
+from align_pipeline.config import ModelConfig, PPOConfig, PPOJob, config_hash, to_dict
+from align_pipeline.data.formats import load_jsonl
+from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from align_pipeline.model import init
+from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.logprobs import token_entropy, token_nll
+from align_pipeline.model.sequences import run
 from align_pipeline.rl import (
     AdaptiveKLController,
     FixedKLController,
@@ -43,29 +50,31 @@ from align_pipeline.rl import (
     token_rewards,
     whiten_with,
 )
-from align_pipeline.train import loop, rl_trainer, rollout
-from align_pipeline.train.rl_trainer import RLContext
+from align_pipeline.tracking import RunLogger
+from align_pipeline.train.core import rollout
+from align_pipeline.train.core.batches import PromptStream, split_rows
+from align_pipeline.train.core.checkpointing import Checkpoints
+from align_pipeline.train.core.cli import cli
+from align_pipeline.train.core.distributed import init_distributed
+from align_pipeline.train.core.optimizer import build_frozen, build_trainable, train_step
+from align_pipeline.train.core.progress import Progress, RunLog, finish, log
 
 POLICY_METRICS = ["policy_loss", "clip_fraction", "approx_kl", "ratio", "entropy"]
 VALUE_METRICS = ["value_loss", "value_clip_fraction"]
 
 
-def kl_controller(job: PPOJobConfig):
-    k = job.kl
-    return AdaptiveKLController(k.coef, k.target, k.horizon) if k.adaptive else FixedKLController(k.coef)
-
-
-def actor_forward_loss(job: PPOJobConfig, vocab_size: int, dist):
-    coef = job.ppo.entropy_coef
+def actor_loss(cfg: PPOConfig, vocab_size: int, dist):
+    """(module, rows) -> (logits, loss_fn): PPO's clipped policy loss (+ entropy bonus) on the response tokens."""
+    coef = cfg.loss.entropy_coef
 
     def forward_loss(module, batch):
-        logits = module(batch["input_ids"], loop.position_ids_like(batch["input_ids"]), None)  # [b, s, V/tp]
+        logits = run(module, batch["input_ids"])  # [b, s, V/tp]
 
         def loss_fn(logits):
-            mask = batch["loss_mask"]
+            mask = batch["loss_mask"]  # [b, s]
             logp = -token_nll(logits, batch["labels"], vocab_size, dist.tp_rank)  # [b, s]
             loss, count, metrics = ppo_policy_loss(logp, batch["old_logp"], batch["advantages"], mask,
-                                                   job.ppo.clip_eps)
+                                                   cfg.loss.clip_eps)
             with contextlib.nullcontext() if coef else torch.no_grad():
                 entropy = token_entropy(logits, vocab_size, dist.tp_rank, dist.pgs.tp)  # [b, s]
                 bonus, _, entropy_metrics = entropy_bonus(entropy, mask)
@@ -78,81 +87,153 @@ def actor_forward_loss(job: PPOJobConfig, vocab_size: int, dist):
     return forward_loss
 
 
-def critic_forward_loss(job: PPOJobConfig):
+def critic_loss(cfg: PPOConfig):
+    """(module, rows) -> (values, loss_fn): PPO's clipped value loss on the response tokens."""
+
     def forward_loss(module, batch):
-        values = module(batch["input_ids"], loop.position_ids_like(batch["input_ids"]), None)  # [b, s, 1]
+        values = run(module, batch["input_ids"])  # [b, s, 1]
 
         def loss_fn(values):
             return ppo_value_loss(values[..., 0].float(), batch["old_values"], batch["returns"], batch["loss_mask"],
-                                  job.ppo.value_clip_eps)
+                                  cfg.loss.value_clip_eps)
 
         return values, loss_fn
 
     return forward_loss
 
 
-def make_iterate(job: PPOJobConfig, ctx: RLContext, critic: rl_trainer.Trainable, kl_ctl):
-    dist, rl, actor = ctx.dist, job.rl, ctx.actor
-    actor_loss, critic_loss = actor_forward_loss(job, ctx.vocab_size, dist), critic_forward_loss(job)
-    offload = rl_trainer.Offload(ctx, [actor, critic])
+def advantages_and_returns(cfg: PPOConfig, scores: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
+                           values: torch.Tensor, mask: torch.Tensor, beta: float, dist):
+    """Per-token KL [n, s], GAE advantages (whitened over every DP rank when configured) and returns [n, s], and the
+    raw advantages [n, s] for the metrics."""
+    kl = kl_penalty(old_logp, ref_logp, cfg.kl.estimator) * mask  # [n, s]
+    rewards = token_rewards(scores, kl, mask, beta)  # [n, s]: -beta * KL per token, + the score on the last one
+    raw, returns = gae(rewards, values, mask, cfg.loss.gamma, cfg.loss.lam)  # [n, s]
+    advantages = raw
+    if cfg.loss.whiten_advantages:
+        moments = torch.stack(masked_moments(raw, mask))
+        tdist.all_reduce(moments, group=dist.pgs.dp)
+        advantages = whiten_with(raw, mask, *moments_to_mean_var(*moments))
+    return kl, advantages, returns, raw
 
-    def iterate(it: int) -> dict[str, float]:
-        exp = rl_trainer.collect(ctx, it, offload, critic)
-        mask, scores = exp.rollout.rows["loss_mask"], exp.scores
-        beta = kl_ctl.value
-        kl = kl_penalty(exp.old_logp, exp.ref_logp, job.kl.estimator) * mask  # [n, s]
-        rewards = token_rewards(scores.total, kl, mask, beta)  # [n, s]
-        advantages, returns = gae(rewards, exp.values, mask, job.ppo.gamma, job.ppo.lam)  # [n, s]
-        raw_advantages = advantages
-        if job.ppo.whiten_advantages:
-            moments = torch.stack(masked_moments(advantages, mask))
-            tdist.all_reduce(moments, group=dist.pgs.dp)
-            advantages = whiten_with(advantages, mask, *moments_to_mean_var(*moments))
+
+def main(job: PPOJob) -> dict:
+    # ---- set-up: process groups, tokenizer, prompts, actor + critic (trained), reference + reward model (frozen) ----
+    cfg, paths, run_dir = job.ppo, job.paths, Path(job.paths.run_dir)
+    rl, gen, mbs = cfg.rl, cfg.generation, cfg.rl.micro_batch_size
+    dist = init_distributed(job.parallel, rl.seed)
+    logger = RunLogger(rank=dist.rank)
+    tok = load_tokenizer(paths.tokenizer)
+    source = init.resolve(paths.policy, job.model, tok.vocab_size)
+    rollout.check_rollout_split("ppo", rl.prompts_per_iteration, gen.samples_per_prompt, rl.minibatches, mbs, dist)
+    log(dist, f"[ppo] world={dist.world_size} tp={dist.tp_size} dp={dist.dp_size} backend={dist.backend} "
+              f"policy={paths.policy} reward_model={paths.reward_model}")
+    total_steps = rl.iterations * rl.steps_per_iteration
+    actor = build_trainable(source, job.parallel, cfg.optimizer, total_steps, dist)
+    frozen = ModelConfig(attention_backend=job.model.attention_backend)
+    reference = build_frozen(init.resolve(paths.reference or paths.policy, frozen, 0), job.parallel, dist)
+    rm = pooling = None
+    if paths.reward_model is not None and cfg.reward.reward_model_weight:
+        rm = build_frozen(init.resolve(paths.reward_model, frozen, 0), job.parallel, dist, head="value")
+        pooling = reward_pooling(paths.reward_model)
+    prompts = PromptStream(load_jsonl(paths.prompts), rl.prompts_per_iteration, dist, rl.seed)
+    val_records = load_jsonl(paths.val_prompts)[: rl.eval_prompts] if paths.val_prompts else []
+    checker = rollout.load_checker(cfg.reward.checker)
+    critic_source = init.resolve(paths.critic or paths.reward_model, job.model, tok.vocab_size)
+    critic = build_trainable(critic_source, job.parallel, cfg.critic_optimizer, total_steps, dist, head="value")
+    vocab, seq_length = source.vocab_size, source.model.seq_length
+    kl_ctl = (AdaptiveKLController(cfg.kl.beta, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive
+              else FixedKLController(cfg.kl.beta))
+    offload = rollout.Offload(cfg.offload, dist.device, [reference, rm], [actor.optimizer, critic.optimizer])
+    policy_loss, value_loss = actor_loss(cfg, vocab, dist), critic_loss(cfg)
+    ckpts = Checkpoints({"actor": (actor, run_dir / "actor"), "critic": (critic, run_dir / "critic")}, dist,
+                        total=rl.iterations, interval=rl.save_interval, keep=rl.keep_checkpoints, resume=rl.resume,
+                        stop_after=job.stop_after, meta={"stage": "ppo", "config_hash": config_hash(job)})
+    iteration, state = ckpts.resume()
+    if state is not None:
+        if state["consumed_prompts"] != prompts.consumed(iteration):
+            raise RuntimeError(f"prompt cursor {state['consumed_prompts']} does not match iteration {iteration}")
+        kl_ctl.load_state_dict(state["kl_controller"])
+        log(dist, f"[ppo] resumed at iteration {iteration} from {run_dir}")
+    logger.log_params({"job": to_dict(job), "world_size": dist.world_size, "resumed_from_iteration": iteration})
+    runlog = RunLog(dist, logger, Progress(rl.iterations, iteration, dist, unit="iteration", prefix="[ppo] "),
+                    rl.log_interval)
+
+    # ---- the loop: rollout -> score -> KL + advantages -> minibatch updates -> log -> checkpoint ----
+    m: dict[str, float] = {}
+    while iteration < rl.iterations:
+        t0, timings = time.perf_counter(), rollout.Timings()
+        # 1. rollout
+        offload.optimizers_to("cpu")
+        with timings("timing/generate_s"):
+            r = rollout.generate_rollout(actor.model, prompts.local(iteration), gen, tok, vocab, dist, seq_length,
+                                         rollout.iteration_seed(gen.seed, iteration, dist.dp_rank))
+        # 2. score, and the per-token forward passes of actor, reference and critic
+        with timings("timing/score_s"):
+            offload.frozen_to(dist.device)
+            scores = rollout.score(r, cfg.reward, checker, rm, pooling, mbs, dist)
+            old_logp = rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist)  # [n, s]
+            ref_logp = rollout.token_logprobs(reference, r.rows, vocab, mbs, dist)  # [n, s]
+            values = rollout.token_values(critic.model, r.rows, mbs, dist)  # [n, s]
+            offload.frozen_to("cpu")
+        offload.optimizers_to(dist.device)
+        # 3. KL penalty, GAE, whitening; the KL controller moves with the rollout's KL
+        mask, beta = r.rows["loss_mask"], kl_ctl.value
+        kl, advantages, returns, raw = advantages_and_returns(cfg, scores.total, old_logp, ref_logp, values, mask,
+                                                              beta, dist)
         seq_kl = kl.sum(-1)  # [n]
-
-        stats = rl_trainer.rollout_stats(ctx, exp)
+        stats = rollout.rollout_stats(r, scores, dist)
         stats.add("rollout/rewards_with_kl", scores.total - beta * seq_kl, std=False)
         stats.add("rollout/init_policy_kl", seq_kl, std=False)
-        stats.add("rollout/advantages", raw_advantages, mask)
+        stats.add("rollout/advantages", raw, mask)
         stats.add("rollout/returns", returns, mask)
-        stats.add("rollout/values", exp.values, mask)
-        m = stats.reduce()
-        m["rollout/kl_coef"] = beta
-        kl_ctl.update(m["rollout/init_policy_kl"], n_steps=rl.prompts_per_iteration * job.generation.samples_per_prompt)
-
-        rows = {**exp.rollout.rows, "old_logp": exp.old_logp, "advantages": advantages, "old_values": exp.values,
-                "returns": returns}
-        n = exp.rollout.n
-
-        def train():
-            actor_steps, critic_steps = [], []
+        stats.add("rollout/values", values, mask)
+        m = {**stats.reduce(), "rollout/kl_beta": beta}
+        kl_ctl.update(m["rollout/init_policy_kl"], n_steps=rl.prompts_per_iteration * gen.samples_per_prompt)
+        # 4. epochs x minibatches: the actor's steps, then the critic's, over the same seeded order
+        rows = {**r.rows, "old_logp": old_logp, "advantages": advantages, "old_values": values, "returns": returns}
+        actor_steps, critic_steps = [], []
+        with timings("timing/train_s"):
             for epoch in range(rl.epochs):
-                order = torch.from_numpy(np.random.default_rng([rl.seed, it, epoch]).permutation(n)).to(dist.device)
-                actor_steps += rl_trainer.update(actor, rows, order, rl.minibatches, rl.micro_batch_size, actor_loss,
-                                                 POLICY_METRICS, ctx)
-                critic_steps += rl_trainer.update(critic, rows, order, rl.minibatches, rl.micro_batch_size,
-                                                  critic_loss, VALUE_METRICS, ctx)
-            return actor_steps, critic_steps
+                order = rollout.minibatch_order(rl.seed, iteration, epoch, r.n, dist.device)
+                actor_steps += [train_step(actor, split_rows(rows, mbs, chunk), policy_loss, POLICY_METRICS, dist,
+                                           seq_length) for chunk in order.chunk(rl.minibatches)]
+                critic_steps += [train_step(critic, split_rows(rows, mbs, chunk), value_loss, VALUE_METRICS, dist,
+                                            seq_length) for chunk in order.chunk(rl.minibatches)]
+        iteration += 1
+        # 5. log, validate, checkpoint
+        m.update(rollout.mean_metrics(actor_steps, "train"))
+        m.update(rollout.mean_metrics(critic_steps, "critic"))
+        m.update(timings)
+        m.update(rollout.throughput(r, timings, trained_rows=2 * rl.epochs * r.n, seq_length=seq_length, dist=dist))
+        m["timing/iteration_s"] = time.perf_counter() - t0
+        if rl.eval_interval and iteration % rl.eval_interval == 0 and iteration < rl.iterations:
+            m.update(rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, checker))
+        runlog.record(iteration, m, {"iteration": iteration, **m}, force="val/greedy_accuracy" in m)
+        train_state = {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration),
+                       "kl_controller": kl_ctl.state_dict()}
+        if ckpts.after_step(iteration, train_state):
+            log(dist, f"[ppo] stopping after {iteration - ckpts.started_at} iterations (stop_after); "
+                      f"a rerun resumes at iteration {iteration}")
+            return finish(dist, logger, run_dir, {"stopped_at_iteration": iteration, "history": runlog.history})
 
-        (actor_steps, critic_steps), t_train = rollout.timed(train)
-        m.update(rl_trainer.mean_metrics(actor_steps, "train"))
-        m.update(rl_trainer.mean_metrics(critic_steps, "critic"))
-        m.update(rl_trainer.timing_metrics(ctx, exp, t_train, trained_rows=2 * rl.epochs * n))  # actor + critic
-        return m
-
-    return iterate
-
-
-def main(job: PPOJobConfig) -> dict:
-    ctx = rl_trainer.setup(job, "ppo")
-    critic_src = init.resolve(job.critic_init or job.reward_model, job.model, ctx.tokenizer.vocab_size)
-    critic = rl_trainer.build_trainable("critic", critic_src, job, ctx.dist, job.critic_optimizer,
-                                        job.rl.iterations * ctx.steps_per_iteration, head="value")
-    kl_ctl = kl_controller(job)
-    iterate = make_iterate(job, ctx, critic, kl_ctl)
-    return rl_trainer.fit(ctx, "ppo", [ctx.actor, critic], iterate, (kl_ctl.state_dict, kl_ctl.load_state_dict),
-                          extra_meta={"critic": {"reward": {"pooling": ctx.rm_pooling or "mean"}}})
+    # ---- final validation, checkpoint and export of actor and critic ----
+    final = rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, checker)
+    logger.log_metrics(final, iteration)
+    log(dist, "[ppo] done: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+    ckpts.save(iteration, {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration),
+                           "kl_controller": kl_ctl.state_dict()})
+    critic_meta = {"reward_head": {"pooling": reward_pooling(critic_source.parent["path"])}} \
+        if critic_source.head == "value" else {}
+    dirs = ckpts.export(iteration, {
+        "stage": "ppo", "tokenizer": {"path": str(paths.tokenizer), "fingerprint": tok.fingerprint},
+        "saved_with_parallel": to_dict(job.parallel),
+        "metrics": {**final, **{k: v for k, v in m.items() if not k.startswith("timing/")}},
+        "lineage": {**job.lineage, "reference": paths.reference or paths.policy, "reward_model": paths.reward_model,
+                    "config_hash": config_hash(job)}}, per_model={"critic": critic_meta})
+    return finish(dist, logger, run_dir, {**dirs, "step": iteration, "iteration": iteration, **final,
+                                          "final": {**m, **final}, "history": runlog.history})
 
 
 if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required
-    loop.cli(PPOJobConfig, main, __doc__)
+    cli(PPOJob, main, __doc__)

@@ -1,97 +1,171 @@
-"""REINFORCE-family entry point: RLOO or GRPO, no critic.
+"""REINFORCE family: RLOO or GRPO, no critic.
 
     torchrun --nproc_per_node 2 -m align_pipeline.train.reinforce --config run/config.json
 
-Each iteration: ``generation.samples_per_prompt`` (n >= 2) responses per prompt from the policy, each scored by the
-verifiable checker and/or the reward model (``reward``); the n scores of a prompt give every sample one advantage,
-either leave-one-out (RLOO, Ahmadian et al. 2024) or group-normalised (GRPO, Shao et al. 2024), shared by all its
-tokens. The policy then takes ``epochs x minibatches`` optimizer steps on :func:`~align_pipeline.losses.ppo.
-reinforce_loss`: plain ``-A log pi`` when the rollout is used for a single step, PPO's clipped ratio against the
-rollout policy otherwise, plus ``loss.kl_coef`` x KL to the frozen reference (reported either way). The n samples of a
-prompt always sit on one DP rank, so the group baselines need no communication. Output: ``run_dir/actor/model``.
+Each iteration, in :func:`main`'s loop: ``generation.samples_per_prompt`` (n >= 2) responses per prompt from the
+policy, each scored by the verifiable checker and/or the reward model (``reward``); the n scores of a prompt give every
+sample one advantage, either leave-one-out (RLOO, Ahmadian et al. 2024) or group-normalised (GRPO, Shao et al. 2024),
+shared by all its tokens. The policy then takes ``epochs x minibatches`` optimizer steps on
+:func:`~align_pipeline.losses.reinforce.reinforce_loss`: plain ``-A log pi`` when the rollout is used for a single
+step, PPO's clipped ratio against the rollout policy otherwise, plus ``kl.beta`` x KL to the frozen reference
+(reported either way). The n samples of a prompt always sit on one DP rank, so the group baselines need no
+communication. Output: ``run_dir/actor/model``.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import time
+from pathlib import Path
+
 import torch
 
-from align_pipeline.config import ReinforceJobConfig
-from align_pipeline.losses.ppo import reinforce_loss
+from align_pipeline.config import ModelConfig, ReinforceConfig, ReinforceJob, config_hash, to_dict
+from align_pipeline.data.formats import load_jsonl
+from align_pipeline.data.tokenizer import load_tokenizer
+from align_pipeline.losses.reinforce import reinforce_loss
+from align_pipeline.model import init
+from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.logprobs import token_nll
+from align_pipeline.model.sequences import run
 from align_pipeline.rl import grpo_advantages, kl_penalty, rloo_advantages
-from align_pipeline.train import loop, rl_trainer, rollout
-from align_pipeline.train.rl_trainer import RLContext
+from align_pipeline.tracking import RunLogger
+from align_pipeline.train.core import rollout
+from align_pipeline.train.core.batches import PromptStream, split_rows
+from align_pipeline.train.core.checkpointing import Checkpoints
+from align_pipeline.train.core.cli import cli
+from align_pipeline.train.core.distributed import init_distributed
+from align_pipeline.train.core.optimizer import build_frozen, build_trainable, train_step
+from align_pipeline.train.core.progress import Progress, RunLog, finish, log
 
 
-def group_advantages(job: ReinforceJobConfig, scores: torch.Tensor) -> torch.Tensor:
+def group_advantages(cfg: ReinforceConfig, scores: torch.Tensor) -> torch.Tensor:
     """Flat prompt-major scores [P*n] -> one advantage per sample [P*n]."""
-    groups = scores.view(-1, job.generation.samples_per_prompt)  # [P, n]
-    if job.loss.estimator == "rloo":
+    groups = scores.view(-1, cfg.generation.samples_per_prompt)  # [P, n]
+    if cfg.loss.estimator == "rloo":
         return rloo_advantages(groups).flatten()
-    return grpo_advantages(groups, scale=job.loss.grpo_scale).flatten()
+    return grpo_advantages(groups, scale=cfg.loss.grpo_scale).flatten()
 
 
-def policy_forward_loss(job: ReinforceJobConfig, vocab_size: int, dist, clipped: bool):
-    cfg = job.loss
+def policy_loss(cfg: ReinforceConfig, vocab_size: int, tp_rank: int, clipped: bool):
+    """(module, rows) -> (logits, loss_fn): the REINFORCE loss (clipped ratio when ``clipped``) + beta x KL."""
 
     def forward_loss(module, batch):
-        logits = module(batch["input_ids"], loop.position_ids_like(batch["input_ids"]), None)
+        logits = run(module, batch["input_ids"])  # [b, s, V/tp]
 
         def loss_fn(logits):
-            logp = -token_nll(logits, batch["labels"], vocab_size, dist.tp_rank)  # [b, s]
+            logp = -token_nll(logits, batch["labels"], vocab_size, tp_rank)  # [b, s]
             return reinforce_loss(logp, batch["advantages"], batch["loss_mask"], ref_logp=batch["ref_logp"],
-                                  kl_coef=cfg.kl_coef, estimator=cfg.kl_estimator,
-                                  old_logp=batch["old_logp"] if clipped else None, clip_eps=cfg.clip_eps)
+                                  beta=cfg.kl.beta, estimator=cfg.kl.estimator,
+                                  old_logp=batch["old_logp"] if clipped else None, clip_eps=cfg.loss.clip_eps)
 
         return logits, loss_fn
 
     return forward_loss
 
 
-def make_iterate(job: ReinforceJobConfig, ctx: RLContext):
-    dist, rl, actor = ctx.dist, job.rl, ctx.actor
-    clipped = ctx.steps_per_iteration > 1  # the rollout policy differs from the policy after the first step
-    metrics = ["pg_loss", "kl"] + (["clip_fraction", "ratio"] if clipped else [])
-    loss = policy_forward_loss(job, ctx.vocab_size, dist, clipped)
-    offload = rl_trainer.Offload(ctx, [actor])
+def main(job: ReinforceJob) -> dict:
+    # ---- set-up: process groups, tokenizer, prompts, the policy (trained), reference + reward model (frozen) ----
+    cfg, paths, run_dir = job.reinforce, job.paths, Path(job.paths.run_dir)
+    rl, gen, mbs = cfg.rl, cfg.generation, cfg.rl.micro_batch_size
+    dist = init_distributed(job.parallel, rl.seed)
+    logger = RunLogger(rank=dist.rank)
+    tok = load_tokenizer(paths.tokenizer)
+    source = init.resolve(paths.policy, job.model, tok.vocab_size)
+    rollout.check_rollout_split("reinforce", rl.prompts_per_iteration, gen.samples_per_prompt, rl.minibatches, mbs, dist)
+    log(dist, f"[reinforce] world={dist.world_size} tp={dist.tp_size} dp={dist.dp_size} backend={dist.backend} "
+              f"policy={paths.policy} reward_model={paths.reward_model}")
+    total_steps = rl.iterations * rl.steps_per_iteration
+    actor = build_trainable(source, job.parallel, cfg.optimizer, total_steps, dist)
+    frozen = ModelConfig(attention_backend=job.model.attention_backend)
+    reference = build_frozen(init.resolve(paths.reference or paths.policy, frozen, 0), job.parallel, dist)
+    rm = pooling = None
+    if paths.reward_model is not None and cfg.reward.reward_model_weight:
+        rm = build_frozen(init.resolve(paths.reward_model, frozen, 0), job.parallel, dist, head="value")
+        pooling = reward_pooling(paths.reward_model)
+    prompts = PromptStream(load_jsonl(paths.prompts), rl.prompts_per_iteration, dist, rl.seed)
+    val_records = load_jsonl(paths.val_prompts)[: rl.eval_prompts] if paths.val_prompts else []
+    checker = rollout.load_checker(cfg.reward.checker)
+    vocab, seq_length = source.vocab_size, source.model.seq_length
+    clipped = rl.steps_per_iteration > 1  # the rollout policy differs from the policy after the first step
+    metric_names = ["pg_loss", "kl"] + (["clip_fraction", "ratio"] if clipped else [])
+    offload = rollout.Offload(cfg.offload, dist.device, [reference, rm], [actor.optimizer])
+    loss = policy_loss(cfg, vocab, dist.tp_rank, clipped)
+    ckpts = Checkpoints({"actor": (actor, run_dir / "actor")}, dist,
+                        total=rl.iterations, interval=rl.save_interval, keep=rl.keep_checkpoints, resume=rl.resume,
+                        stop_after=job.stop_after, meta={"stage": "reinforce", "config_hash": config_hash(job)})
+    iteration, state = ckpts.resume()
+    if state is not None:
+        if state["consumed_prompts"] != prompts.consumed(iteration):
+            raise RuntimeError(f"prompt cursor {state['consumed_prompts']} does not match iteration {iteration}")
+        log(dist, f"[reinforce] resumed at iteration {iteration} from {run_dir}")
+    logger.log_params({"job": to_dict(job), "world_size": dist.world_size, "resumed_from_iteration": iteration})
+    runlog = RunLog(dist, logger, Progress(rl.iterations, iteration, dist, unit="iteration", prefix="[reinforce] "),
+                    rl.log_interval)
 
-    def iterate(it: int) -> dict[str, float]:
-        exp = rl_trainer.collect(ctx, it, offload)
-        mask, scores = exp.rollout.rows["loss_mask"], exp.scores
-        advantages = group_advantages(job, scores.total)  # [n]
-        groups = scores.total.view(-1, job.generation.samples_per_prompt)  # [P, n]
-
-        stats = rl_trainer.rollout_stats(ctx, exp)
-        stats.add("rollout/init_policy_kl", (kl_penalty(exp.old_logp, exp.ref_logp, "k1") * mask).sum(-1), std=False)
+    # ---- the loop: rollout -> score -> group advantages -> minibatch updates -> log -> checkpoint ----
+    m: dict[str, float] = {}
+    while iteration < rl.iterations:
+        t0, timings = time.perf_counter(), rollout.Timings()
+        # 1. rollout
+        offload.optimizers_to("cpu")
+        with timings("timing/generate_s"):
+            r = rollout.generate_rollout(actor.model, prompts.local(iteration), gen, tok, vocab, dist, seq_length,
+                                         rollout.iteration_seed(gen.seed, iteration, dist.dp_rank))
+        # 2. score, and the per-token log-probs of the rollout policy and the reference
+        with timings("timing/score_s"):
+            offload.frozen_to(dist.device)
+            scores = rollout.score(r, cfg.reward, checker, rm, pooling, mbs, dist)
+            old_logp = rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist)  # [n, s]
+            ref_logp = rollout.token_logprobs(reference, r.rows, vocab, mbs, dist)  # [n, s]
+            offload.frozen_to("cpu")
+        offload.optimizers_to(dist.device)
+        # 3. one advantage per sample from its group
+        mask = r.rows["loss_mask"]
+        advantages = group_advantages(cfg, scores.total)  # [n]
+        groups = scores.total.view(-1, gen.samples_per_prompt)  # [P, n]
+        stats = rollout.rollout_stats(r, scores, dist)
+        stats.add("rollout/init_policy_kl", (kl_penalty(old_logp, ref_logp, "k1") * mask).sum(-1), std=False)
         stats.add("rollout/advantages", advantages)
         stats.add("rollout/fraction_of_groups_without_signal", (groups == groups[:, :1]).all(dim=1).double(),
                   std=False)
         m = stats.reduce()
-
-        rows = {**exp.rollout.rows, "advantages": advantages, "ref_logp": exp.ref_logp, "old_logp": exp.old_logp}
-        n = exp.rollout.n
-
-        def train():
-            steps = []
+        # 4. epochs x minibatches of policy steps over a seeded order
+        rows = {**r.rows, "advantages": advantages, "ref_logp": ref_logp, "old_logp": old_logp}
+        steps = []
+        with timings("timing/train_s"):
             for epoch in range(rl.epochs):
-                order = torch.from_numpy(np.random.default_rng([rl.seed, it, epoch]).permutation(n)).to(dist.device)
-                steps += rl_trainer.update(actor, rows, order, rl.minibatches, rl.micro_batch_size, loss, metrics, ctx)
-            return steps
+                order = rollout.minibatch_order(rl.seed, iteration, epoch, r.n, dist.device)
+                steps += [train_step(actor, split_rows(rows, mbs, chunk), loss, metric_names, dist, seq_length)
+                          for chunk in order.chunk(rl.minibatches)]
+        iteration += 1
+        # 5. log, validate, checkpoint
+        m.update(rollout.mean_metrics(steps, "train"))
+        m.update(timings)
+        m.update(rollout.throughput(r, timings, trained_rows=rl.epochs * r.n, seq_length=seq_length, dist=dist))
+        m["timing/iteration_s"] = time.perf_counter() - t0
+        if rl.eval_interval and iteration % rl.eval_interval == 0 and iteration < rl.iterations:
+            m.update(rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, checker))
+        runlog.record(iteration, m, {"iteration": iteration, **m}, force="val/greedy_accuracy" in m)
+        train_state = {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration)}
+        if ckpts.after_step(iteration, train_state):
+            log(dist, f"[reinforce] stopping after {iteration - ckpts.started_at} iterations (stop_after); "
+                      f"a rerun resumes at iteration {iteration}")
+            return finish(dist, logger, run_dir, {"stopped_at_iteration": iteration, "history": runlog.history})
 
-        steps, t_train = rollout.timed(train)
-        m.update(rl_trainer.mean_metrics(steps, "train"))
-        m.update(rl_trainer.timing_metrics(ctx, exp, t_train, trained_rows=rl.epochs * n))
-        return m
-
-    return iterate
-
-
-def main(job: ReinforceJobConfig) -> dict:
-    ctx = rl_trainer.setup(job, "reinforce")
-    iterate = make_iterate(job, ctx)
-    return rl_trainer.fit(ctx, "reinforce", [ctx.actor], iterate, (dict, lambda state: None))
+    # ---- final validation, checkpoint and export of the policy ----
+    final = rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, checker)
+    logger.log_metrics(final, iteration)
+    log(dist, "[reinforce] done: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+    ckpts.save(iteration, {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration)})
+    dirs = ckpts.export(iteration, {
+        "stage": "reinforce", "tokenizer": {"path": str(paths.tokenizer), "fingerprint": tok.fingerprint},
+        "saved_with_parallel": to_dict(job.parallel),
+        "metrics": {**final, **{k: v for k, v in m.items() if not k.startswith("timing/")}},
+        "lineage": {**job.lineage, "reference": paths.reference or paths.policy, "reward_model": paths.reward_model,
+                    "config_hash": config_hash(job)}})
+    return finish(dist, logger, run_dir, {**dirs, "step": iteration, "iteration": iteration, **final,
+                                          "final": {**m, **final}, "history": runlog.history})
 
 
 if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required
-    loop.cli(ReinforceJobConfig, main, __doc__)
+    cli(ReinforceJob, main, __doc__)

@@ -15,8 +15,6 @@ from align_pipeline.data.schemas import RawData, read_raw_jsonl, record_texts
 from align_pipeline.data.tokenize import DataPrepConfig, encode, split_encoded
 from align_pipeline.data.tokenizer import TextTokenizer, build_tokenizer
 
-RAW = {"sft": "raw_sft", "preference": "raw_preference", "prompts": "raw_prompts"}
-
 
 def validate_raw_data(
     raw_sft: Artifact, raw_preference: Artifact, raw_prompts: Artifact, params: dict[str, Any]

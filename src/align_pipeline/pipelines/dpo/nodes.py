@@ -6,27 +6,27 @@ import logging
 from pathlib import Path
 
 from align_pipeline.config import (
-    DPOJobConfig,
-    DPOParams,
+    REFERENCE_FREE_LOSSES,
+    DPOConfig,
+    DPOJob,
+    DPOPaths,
     LaunchConfig,
     ParallelConfig,
-    ReferenceLogpsJobConfig,
+    ReferenceLogpsJob,
     config_hash,
     from_dict,
     to_dict,
 )
-from align_pipeline.data.formats import Artifact, content_fingerprint
+from align_pipeline.data.formats import Artifact, checkpoint_meta, content_fingerprint
 from align_pipeline.launch import run_torchrun
-from align_pipeline.losses.preference import REFERENCE_FREE_LOSSES
-from align_pipeline.model.checkpoint import read_meta
-from align_pipeline.pipelines.common import run_stage, stage_job_paths, typed_params
+from align_pipeline.pipelines.common import run_supervised_stage, train_paths, typed_params
 
 log = logging.getLogger(__name__)
 
 
 def reference_key(reference: str, tokenizer: Artifact, pref_train: Artifact, pref_val: Artifact) -> str:
     """Cache key: the reference checkpoint version (its path, stage, step and config hash) + data + tokenizer."""
-    meta = read_meta(reference)
+    meta = checkpoint_meta(reference)
     ref_id = {"path": str(Path(reference).resolve()), "stage": meta.get("stage"), "step": meta.get("step"),
               "config_hash": meta.get("lineage", {}).get("config_hash")}
     return config_hash({"reference": ref_id, "pref_train": pref_train.fingerprint, "pref_val": pref_val.fingerprint,
@@ -39,7 +39,7 @@ def compute_reference_logps(sft_policy: str, tokenizer: Artifact, pref_train: Ar
 
     A rerun with the same reference version, data and tokenizer reuses the file; any change recomputes it.
     """
-    params = from_dict(DPOParams, dpo, "params:dpo")
+    params = from_dict(DPOConfig, dpo, "params:dpo")
     key = reference_key(sft_policy, tokenizer, pref_train, pref_val)
     output = (Path(params.reference_cache_dir) / f"{key}.npz").resolve()
     meta = {"key": key, "reference": sft_policy, "pref_train": pref_train.fingerprint, "pref_val": pref_val.fingerprint,
@@ -51,7 +51,7 @@ def compute_reference_logps(sft_policy: str, tokenizer: Artifact, pref_train: Ar
         log.info("reference log-probs: computing anyway for metrics although %s is reference-free", params.loss.name)
     run_dir = Path(params.runs_dir) / "reference_logps" / key
     run_dir.mkdir(parents=True, exist_ok=True)
-    job = ReferenceLogpsJobConfig(
+    job = ReferenceLogpsJob(
         run_dir=str(run_dir.resolve()), checkpoint=sft_policy,
         data={"train": str(Path(pref_train.path).resolve()), "val": str(Path(pref_val.path).resolve())},
         output=str(output), parallel=from_dict(ParallelConfig, parallel, "params:parallel"),
@@ -65,17 +65,13 @@ def compute_reference_logps(sft_policy: str, tokenizer: Artifact, pref_train: Ar
 def train_dpo(tokenizer: Artifact, pref_train: Artifact, pref_val: Artifact, sft_policy: str,
               dpo_reference_logps: Artifact, model: dict, parallel: dict, launch: dict,
               dpo: dict) -> tuple[str, dict[str, float]]:
-    model_cfg, parallel_cfg, launch_cfg, stage = typed_params(model, parallel, launch, dpo, "dpo", DPOParams)
-    init_from = stage.init_from or sft_policy
-    paths = stage_job_paths(stage, "dpo", tokenizer=tokenizer, train=pref_train, val=pref_val, parent=init_from,
-                            config={"model": to_dict(model_cfg), "parallel": to_dict(parallel_cfg),
-                                    "training": to_dict(stage.training), "loss": to_dict(stage.loss),
-                                    "reference_logps": dpo_reference_logps.fingerprint})
-    job = DPOJobConfig(
-        run_dir=paths.run_dir, train_data=paths.train, val_data=paths.val, tokenizer=paths.tokenizer,
-        init_from=init_from, reference_logps=dpo_reference_logps.path, model=model_cfg, parallel=parallel_cfg,
-        training=stage.training, loss=stage.loss,
-        lineage={**paths.lineage, "reference": sft_policy, "reference_logps": dpo_reference_logps.fingerprint},
-    )
-    return run_stage("align_pipeline.train.dpo", job, launch_cfg, stage, "dpo",
-                     metric_keys=("val_loss", "val_accuracy", "val_rewards_margin", "train_loss"))
+    model_cfg, parallel_cfg, launch_cfg, cfg = typed_params(model, parallel, launch, dpo, DPOConfig, "dpo")
+    paths, lineage = train_paths(cfg, "dpo", tokenizer=tokenizer, train=pref_train, val=pref_val,
+                                 init_from=cfg.init_from or sft_policy,
+                                 key={"model": model_cfg, "parallel": parallel_cfg, "dpo": cfg,
+                                      "reference_logps": dpo_reference_logps.fingerprint})
+    job = DPOJob(dpo=cfg, model=model_cfg, parallel=parallel_cfg,
+                 paths=DPOPaths(**to_dict(paths), reference_logps=dpo_reference_logps.path),
+                 lineage={**lineage, "reference": sft_policy, "reference_logps": dpo_reference_logps.fingerprint})
+    return run_supervised_stage("align_pipeline.train.dpo", job, launch_cfg, cfg.keep_run_dir, "dpo",
+                                metric_keys=("val_loss", "val_accuracy", "val_rewards_margin", "train_loss"))

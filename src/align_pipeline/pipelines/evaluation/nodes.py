@@ -6,8 +6,9 @@ import logging
 from pathlib import Path
 
 from align_pipeline.config import (
-    EvaluationJobConfig,
-    EvaluationParams,
+    EvaluationConfig,
+    EvaluationJob,
+    EvaluationPaths,
     LaunchConfig,
     ParallelConfig,
     config_hash,
@@ -16,6 +17,7 @@ from align_pipeline.config import (
 )
 from align_pipeline.data.formats import Artifact
 from align_pipeline.launch import run_torchrun
+from align_pipeline.report import flat_metrics
 
 log = logging.getLogger(__name__)
 
@@ -26,28 +28,21 @@ def evaluate_policies(tokenizer: Artifact, prompts_val: Artifact, pref_val: Arti
     """``policies``: catalog name (``<stage>_policy``) -> checkpoint path; ``reward_model`` None skips the RM metrics.
 
     Returns (report dir, flat metrics)."""
-    params = from_dict(EvaluationParams, evaluation, "params:evaluation")
+    cfg = from_dict(EvaluationConfig, evaluation, "params:evaluation")
     named = {name.removesuffix("_policy"): path for name, path in policies.items()}
     key = config_hash({"policies": named, "rm": reward_model, "prompts": prompts_val.fingerprint,
-                       "params": to_dict(params)})
-    run_dir = (Path(params.runs_dir) / "evaluation" / key).resolve()
+                       "params": to_dict(cfg)})
+    run_dir = (Path(cfg.runs_dir) / "evaluation" / key).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    job = EvaluationJobConfig(
+    paths = EvaluationPaths(
         run_dir=str(run_dir), output_dir=str(run_dir / "eval_report"), tokenizer=str(Path(tokenizer.path).resolve()),
         prompts=str(Path(prompts_val.path).resolve()), policies=named, reference=named.get("sft"),
         reward_model=reward_model, preference_data=str(Path(pref_val.path).resolve()) if reward_model else None,
-        sft_data=str(Path(sft_val.path).resolve()), checker=params.checker, generation=params.generation,
-        greedy=params.greedy, parallel=from_dict(ParallelConfig, parallel, "params:parallel"),
-        micro_batch_size=params.micro_batch_size,
-        lineage={"policies": named, "reward_model": reward_model, "prompts": prompts_val.fingerprint},
-    )
+        sft_data=str(Path(sft_val.path).resolve()))
+    job = EvaluationJob(evaluation=cfg, parallel=from_dict(ParallelConfig, parallel, "params:parallel"), paths=paths,
+                        lineage={"policies": named, "reward_model": reward_model, "prompts": prompts_val.fingerprint})
     result = run_torchrun("align_pipeline.train.evaluate", to_dict(job), from_dict(LaunchConfig, launch), run_dir,
                           name="evaluation")
-    report = result["report"]
-    metrics = {f"{name}.{k}": v for name, m in report["policies"].items() for k, v in m.items()
-               if isinstance(v, float)}
-    metrics.update({f"reward_model.{k}": float(v) for k, v in report.get("reward_model", {}).items()})
-    metrics.update({f"{name}.rank": float(i) for i, name in enumerate(report["ranking"], 1)})
     log.info("Evaluation report %s, policies ranked:\n%s", result["output_dir"],
              (Path(result["output_dir"]) / "report.md").read_text())
-    return result["output_dir"], metrics
+    return result["output_dir"], flat_metrics(result["report"], sep=".")

@@ -17,7 +17,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from align_pipeline.config import ParallelConfig
-from align_pipeline.model import megatron_cpu
+from align_pipeline.train.core import megatron_cpu
 
 
 @dataclass
@@ -49,9 +49,6 @@ class Dist:
     def is_logging_rank(self) -> bool:
         """Rank 0 alone logs."""
         return self.rank == 0
-
-    def barrier(self) -> None:
-        tdist.barrier()
 
 
 def init_distributed(parallel: ParallelConfig, seed: int) -> Dist:

@@ -1,4 +1,4 @@
-"""Rollouts for the RL stages (PPO, REINFORCE): the prompt stream, generation, scoring and per-token forward passes.
+"""Rollouts for the RL stages (PPO, REINFORCE): generation, scoring, statistics over DP, offload, validation.
 
 Every data-parallel rank generates for its own slice of the iteration's prompts and keeps its rows; tensor-parallel
 ranks of one DP group hold identical rollouts (same prompts, same seed, tokens broadcast by :func:`generate`).
@@ -7,10 +7,10 @@ Nothing here takes an optimizer step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -18,60 +18,16 @@ import torch.distributed as tdist
 
 from align_pipeline.config import GenerationConfig, RewardConfig
 from align_pipeline.model.generate import generate
-from align_pipeline.model.logprobs import token_nll
-from align_pipeline.train import loop
-from align_pipeline.train.distributed import Dist
-from align_pipeline.train.reward_model import sequence_rewards
+from align_pipeline.model.sequences import rewards_forward, token_logprobs_forward, token_values_forward
+from align_pipeline.train.core.batches import to_rows
+from align_pipeline.train.core.distributed import Dist
+from align_pipeline.train.core.schedule import forward_rows
 
 
 def load_checker(spec: str):
     """``"module:function"`` -> the function ``(prompt, response, answer) -> bool``."""
     module, name = spec.split(":")
     return getattr(importlib.import_module(module), name)
-
-
-def to_rows(prompt_ids: list[list[int]], responses: list[list[int]], seq_length: int, pad_id: int) -> dict:
-    """prompt + response token lists -> right-padded input_ids/labels/loss_mask [n, s] (loss on response tokens).
-
-    ``loss_mask[i, t] = 1`` when label t (= token t+1) is a response token, so per-token tensors of the RL math
-    ([n, s], position t = the action y_{t+1} taken in state ids[:t+1]) line up with the model's outputs at input
-    position t.
-    """
-    n = len(prompt_ids)
-    ids = np.full((n, seq_length), pad_id, dtype=np.int64)
-    mask = np.zeros((n, seq_length), dtype=np.float32)
-    for i, (p, r) in enumerate(zip(prompt_ids, responses)):
-        seq = (p + r)[:seq_length]
-        ids[i, : len(seq)] = seq
-        mask[i, len(p) - 1 : len(seq) - 1] = 1.0  # label t = token t+1 is a response token
-    labels = np.full_like(ids, pad_id)
-    labels[:, :-1] = ids[:, 1:]
-    return {"input_ids": ids, "labels": labels, "loss_mask": mask}
-
-
-class PromptStream:
-    """``per_iteration`` prompts per iteration over all DP ranks, in a seeded order that reshuffles every epoch.
-
-    The prompts of iteration ``i`` are a pure function of ``i`` (the same scheme as :class:`loop.ArrayBatches`), so the
-    prompt cursor of a resumed run is just its iteration number.
-    """
-
-    def __init__(self, records: list[dict], per_iteration: int, dist: Dist, seed: int):
-        if per_iteration % dist.dp_size:
-            raise ValueError(f"prompts_per_iteration {per_iteration} must split over DP={dist.dp_size} ranks")
-        self.records = records
-        self.per_iteration = per_iteration
-        self._batches = loop.ArrayBatches({"index": np.arange(len(records))}, per_iteration,
-                                          per_iteration // dist.dp_size, dist, seed=seed, shuffle=True)
-
-    def local(self, iteration: int) -> list[dict]:
-        """This DP rank's prompt records of ``iteration``."""
-        (mb,) = self._batches.microbatches(iteration)
-        return [self.records[i] for i in mb["index"].tolist()]
-
-    def consumed(self, iteration: int) -> int:
-        """Prompts drawn before ``iteration`` (the cursor)."""
-        return iteration * self.per_iteration
 
 
 @dataclasses.dataclass
@@ -119,51 +75,6 @@ def iteration_seed(base: int, iteration: int, dp_rank: int) -> int:
     return (base * 1_000_003 + iteration * 7919 + dp_rank * 104_729) % 2**62
 
 
-def split(rows: dict[str, torch.Tensor], micro_batch_size: int, order: torch.Tensor | None = None) -> list[dict]:
-    """Row dict [n, ...] -> micro-batches of ``micro_batch_size`` rows (optionally in ``order``)."""
-    first = next(iter(rows.values()))
-    idx = order if order is not None else torch.arange(len(first), device=first.device)
-    return [{k: v[idx[i : i + micro_batch_size]] for k, v in rows.items()} for i in range(0, len(idx), micro_batch_size)]
-
-
-def _per_row(model, rows: dict, fn, micro_batch_size: int, dist: Dist) -> torch.Tensor:
-    """Forward-only over this rank's rows; ``fn(module, batch) -> (output, per_row_fn)``; returns [n, k]."""
-    with torch.no_grad():
-        out = loop.collect_per_sample(model, split(rows, micro_batch_size), fn, dist)
-    assert out is not None, "RL stages run with pipeline_model_parallel_size 1"
-    return out
-
-
-def token_logprobs(model, rows: dict, vocab_size: int, micro_batch_size: int, dist: Dist) -> torch.Tensor:
-    """log pi(label_t | ids[:t+1]) for every position: [n, s] float32 (meaningful where loss_mask is 1)."""
-
-    def fn(module, batch):
-        logits = module(batch["input_ids"], loop.position_ids_like(batch["input_ids"]), None)
-        return logits, lambda out: -token_nll(out, batch["labels"], vocab_size, dist.tp_rank)
-
-    return _per_row(model, rows, fn, micro_batch_size, dist)
-
-
-def token_values(model, rows: dict, micro_batch_size: int, dist: Dist) -> torch.Tensor:
-    """A value-head model's output at every input position: [n, s] float32 (V(s_t) for the action at label t)."""
-
-    def fn(module, batch):
-        values = module(batch["input_ids"], loop.position_ids_like(batch["input_ids"]), None)
-        return values, lambda out: out[..., 0].float()
-
-    return _per_row(model, rows, fn, micro_batch_size, dist)
-
-
-def reward_model_scores(rm, rows: dict, pooling: str, micro_batch_size: int, dist: Dist) -> torch.Tensor:
-    """Sequence rewards [n] from a frozen reward model (the pooling it was trained with)."""
-
-    def fn(module, batch):
-        values = module(batch["input_ids"], loop.position_ids_like(batch["input_ids"]), None)
-        return values, lambda out: sequence_rewards(out, batch["loss_mask"], pooling).unsqueeze(-1)
-
-    return _per_row(rm, rows, fn, micro_batch_size, dist)[:, 0]
-
-
 @dataclasses.dataclass
 class Scores:
     total: torch.Tensor
@@ -184,7 +95,7 @@ def score(rollout: Rollout, cfg: RewardConfig, checker, rm, rm_pooling: str | No
     total = cfg.checker_weight * correct - cfg.missing_eos_penalty * no_eos
     rm_scores = None
     if rm is not None:
-        rm_scores = reward_model_scores(rm, rollout.rows, rm_pooling, micro_batch_size, dist)
+        rm_scores = forward_rows(rm, rollout.rows, rewards_forward(rm_pooling), micro_batch_size, dist)[:, 0]  # [n]
         total = total + cfg.reward_model_weight * rm_scores
     return Scores(total, correct, rm_scores)
 
@@ -249,12 +160,110 @@ def offload_optimizer(optimizer, device: torch.device | str) -> None:
                 p.data = p.data.to(device)
 
 
-def timed(fn, *args, **kwargs) -> tuple[Any, float]:
-    """(fn(...), seconds), with a device synchronisation so GPU work is counted where it happens."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
+def token_logprobs(model, rows: dict, vocab_size: int, micro_batch_size: int, dist: Dist) -> torch.Tensor:
+    """log pi(label_t | ids[:t+1]) of this rank's rollout rows: [n, s] fp32 (meaningful where loss_mask is 1)."""
+    return forward_rows(model, rows, token_logprobs_forward(vocab_size, dist.tp_rank), micro_batch_size, dist)
+
+
+def token_values(model, rows: dict, micro_batch_size: int, dist: Dist) -> torch.Tensor:
+    """A value-head model's V(s_t) at every position of this rank's rollout rows: [n, s] fp32."""
+    return forward_rows(model, rows, token_values_forward(), micro_batch_size, dist)
+
+
+def rollout_stats(r: Rollout, scores: Scores, dist: Dist) -> DPStats:
+    """The rollout metrics every RL stage reports (a stage adds its own before ``reduce()``)."""
+    stats = DPStats(dist)
+    stats.add("rollout/rewards", scores.total)
+    stats.add("rollout/accuracy", scores.correct, std=False)
+    if scores.rm is not None:
+        stats.add("rollout/reward_model_score", scores.rm, std=False)
+    stats.add("rollout/response_lengths", r.rows["loss_mask"].sum(-1), std=False)
+    stats.add("rollout/fraction_of_samples_properly_ended",
+              torch.tensor(r.ended_with_eos, dtype=torch.float64, device=dist.device), std=False)
+    return stats
+
+
+def minibatch_order(seed: int, iteration: int, epoch: int, n: int, device) -> torch.Tensor:
+    """The seeded order of a rollout's n rows in one epoch (a pure function of seed, iteration and epoch)."""
+    return torch.from_numpy(np.random.default_rng([seed, iteration, epoch]).permutation(n)).to(device)
+
+
+def mean_metrics(steps: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    """Average per-step metrics of one iteration, keys prefixed (``train/policy_loss``, ``critic/grad_norm``)."""
+    return {f"{prefix}/{k}": float(np.mean([s[k] for s in steps])) for k in steps[0]}
+
+
+def throughput(r: Rollout, timings: dict[str, float], trained_rows: int, seq_length: int, dist: Dist
+               ) -> dict[str, float]:
+    """Generated tokens/s and trained tokens/s of an iteration, over all DP ranks."""
+    generated = torch.tensor([float(r.rows["loss_mask"].sum())], dtype=torch.float64, device=dist.device)
+    tdist.all_reduce(generated, group=dist.pgs.dp)
+    return {"throughput/generated_tokens_per_s": generated.item() / max(timings["timing/generate_s"], 1e-9),
+            "throughput/train_tokens_per_s": trained_rows * dist.dp_size * seq_length
+            / max(timings["timing/train_s"], 1e-9)}
+
+
+class Timings(dict):
+    """``with timings("timing/generate_s"): ...`` records the block's wall time, with a device synchronisation on
+    both sides so GPU work is counted where it happens."""
+
+    @contextlib.contextmanager
+    def __call__(self, key: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self[key] = time.perf_counter() - t0
+
+
+class Offload:
+    """The ``offload`` options: frozen models on the CPU except while scoring; Adam moments (and bf16 main weights)
+    of the trained models on the CPU while generating and scoring. No-ops unless configured."""
+
+    def __init__(self, cfg, device, frozen: list, optimizers: list):
+        self.cfg, self.device = cfg, device
+        self.frozen = [m for m in frozen if m is not None]
+        self.optimizers = optimizers
+        self.frozen_to("cpu")
+
+    def frozen_to(self, device) -> None:
+        if self.cfg.frozen_models:
+            for m in self.frozen:
+                offload_model(m, device)
+
+    def optimizers_to(self, device) -> None:
+        if self.cfg.optimizer_states:
+            for opt in self.optimizers:
+                offload_optimizer(opt, device)
+
+
+def validation_accuracy(model, records: list[dict], gen: GenerationConfig, tok, vocab_size: int, dist: Dist,
+                        seq_length: int, checker) -> dict[str, float]:
+    """Accuracy of ``model`` on held-out prompt records, greedy and sampled (one sample per prompt at the rollout
+    temperature); DP ranks split the prompts."""
+    if not records:
+        return {}
+    mine = records[dist.dp_rank :: dist.dp_size]
+    totals = torch.zeros(3, dtype=torch.float64, device=dist.device)
+    if mine:
+        one = dataclasses.replace(gen, samples_per_prompt=1)
+        for i, greedy in enumerate((True, False)):
+            r = generate_rollout(model, mine, one, tok, vocab_size, dist, seq_length,
+                                 seed=iteration_seed(one.seed, -1, dist.dp_rank), greedy=greedy)
+            totals[i] = float(sum(checker(rec["prompt"], text, rec.get("answer")) for rec, text in zip(r.records, r.texts)))
+        totals[2] = len(mine)
+    tdist.all_reduce(totals, group=dist.pgs.dp)
+    n = max(totals[2].item(), 1.0)
+    return {"val/greedy_accuracy": totals[0].item() / n, "val/accuracy": totals[1].item() / n}
+
+
+def check_rollout_split(stage: str, prompts_per_iteration: int, samples_per_prompt: int, minibatches: int,
+                        micro_batch_size: int, dist: Dist) -> None:
+    """A rollout must split over the DP ranks, and each rank's rows into minibatches of whole micro-batches."""
+    rows = prompts_per_iteration // dist.dp_size * samples_per_prompt
+    if prompts_per_iteration % dist.dp_size or rows % (minibatches * micro_batch_size):
+        raise ValueError(
+            f"[{stage}] a rollout of {prompts_per_iteration} prompts x {samples_per_prompt} samples must split over "
+            f"DP={dist.dp_size} ranks into {minibatches} minibatches of micro-batches of {micro_batch_size} rows")

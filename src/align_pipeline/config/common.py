@@ -1,0 +1,319 @@
+"""Sections shared by several stages: architecture, parallelism, launch, the optimisation loop, sampling, rewards.
+
+Every config is a dataclass with a docstring per field (Megatron-core's style); ``parameters_model.yml`` holds
+``model``, ``parallel`` and ``launch``; the stage files nest the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from align_pipeline.config.base import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the GPT (Llama-style: RoPE, RMSNorm, SwiGLU, optional GQA)."""
+
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None = multi-head (same as num_attention_heads)."""
+    ffn_hidden_size: int | None = None
+    """MLP inner width; None = 4 * hidden_size (SwiGLU: per gate)."""
+    seq_length: int = 64
+    """Maximum tokens per sample; longer samples are rejected by data_prep."""
+    vocab_size: int | None = None
+    """Vocabulary size; None = take it from the tokenizer."""
+    make_vocab_size_divisible_by: int = 128
+    """Embedding rows are padded to a multiple of this (times the TP size) for even sharding."""
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    """Rotary (Llama) or learned absolute positions."""
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Norm layer."""
+    norm_epsilon: float = 1e-5
+    """Norm epsilon."""
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    """MLP activation; swiglu = gated SiLU."""
+    add_bias_linear: bool = False
+    """Biases in linear layers (Llama: no)."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection only (Qwen2: yes)."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie the input embedding and the output layer."""
+    init_method_std: float = 0.02
+    """Std of the normal weight init for random initialisation."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP."""
+    attention_backend: Literal["auto", "te", "sdpa", "local"] = "auto"
+    """auto = Transformer Engine when importable, else SDPA core attention; local = Megatron's unfused attention.
+    A run-time choice: it also applies to models loaded from checkpoints (whose architecture is their own)."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and data are split across ranks. world size = TP * PP * DP."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor parallel size (shards attention heads and MLP)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline parallel size (splits layers into stages)."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout along the sequence across TP ranks (needs TP > 1)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation to save memory."""
+    recompute_num_layers: int = 1
+    """Layers per recompute chunk for full recomputation."""
+    bf16: bool = False
+    """Train in bf16 with fp32 main weights (GPU)."""
+
+
+@dataclass
+class LaunchConfig:
+    """How a node starts its torchrun job."""
+
+    nproc_per_node: int = 1
+    """Processes (GPUs, or CPU workers) per node."""
+    nnodes: int = 1
+    """Nodes in the job."""
+    node_rank: int = 0
+    """This node's rank (multi-node runs)."""
+    master_addr: str = "127.0.0.1"
+    """Rendezvous host."""
+    master_port: int = 0
+    """Rendezvous port; 0 = pick a free one."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend; auto = nccl with CUDA, else gloo."""
+    threads_per_process: int | None = None
+    """OMP/torch threads per rank on CPU; None = cores / nproc_per_node."""
+    log_tail_lines: int = 40
+    """Lines of a failing rank's log to include in the error."""
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with linear warmup + cosine decay, through Megatron's optimizer."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+
+    def validate(self) -> None:
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"optimizer: need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
+
+
+@dataclass
+class TrainingConfig:
+    """The optimisation loop of the supervised stages (SFT, reward model, DPO)."""
+
+    seed: int = 1234
+    """Seed for init, data order and dropout (same on every rank; Megatron derives per-TP-rank streams)."""
+    train_steps: int = 300
+    """Optimizer steps."""
+    global_batch_size: int = 32
+    """Samples per optimizer step, over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward; global = micro x grad-accumulation x DP."""
+    log_interval: int = 10
+    """Steps between progress lines / metric logs."""
+    eval_interval: int = 50
+    """Steps between validation passes (and one at the end); 0 = only at the end."""
+    eval_samples: int | None = None
+    """Validation samples per pass; None = the whole validation set."""
+    save_interval: int = 100
+    """Steps between resumable training checkpoints (and one at the end); 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """Training checkpoints kept in the run directory (oldest deleted)."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in the run directory when one exists."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW + schedule."""
+
+    def validate(self) -> None:
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"training.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"training.micro_batch_size ({self.micro_batch_size})"
+            )
+        if self.train_steps < 1:
+            raise ConfigError("training.train_steps must be >= 1")
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling settings for rollouts and evaluation."""
+
+    max_new_tokens: int = 16
+    """Tokens generated per prompt at most (stops earlier at EOS)."""
+    temperature: float = 1.0
+    """Softmax temperature (1.0 = the policy's own distribution)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    samples_per_prompt: int = 1
+    """Independent samples per prompt."""
+    seed: int = 0
+    """Sampling seed (same on every TP rank; offset by DP rank)."""
+    batch_size: int = 256
+    """Prompts per generation call."""
+
+
+@dataclass
+class RewardConfig:
+    """How a rollout's sequence-level score is made (PPO, REINFORCE)."""
+
+    reward_model_weight: float = 1.0
+    """Weight of the reward model's score (needs a reward model; 0 = not used)."""
+    checker_weight: float = 0.0
+    """Weight of the verifiable reward: 1 when ``checker`` accepts the response, else 0."""
+    checker: str = "align_pipeline.data.demo_task:check"
+    """``module:function(prompt, response, answer) -> bool``, the verifiable reward."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of a response that stopped at ``max_new_tokens`` without EOS."""
+
+    def validate(self) -> None:
+        if self.reward_model_weight == 0 and self.checker_weight == 0:
+            raise ConfigError("reward: reward_model_weight and checker_weight are both 0 (no reward)")
+
+
+@dataclass
+class KLConfig:
+    """The KL-to-reference term of the RL stages. Its coefficient is ``beta`` in every stage, as in the papers:
+    PPO subtracts ``beta x KL`` from the per-token rewards (Ouyang et al. 2022, eq. 2); REINFORCE adds
+    ``beta x KL`` to the loss (Shao et al. 2024, eq. 3)."""
+
+    estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token KL estimator (:mod:`align_pipeline.rl.kl`)."""
+    beta: float = 0.05
+    """The coefficient: constant, or the initial value of the adaptive controller (0 = off; KL is reported anyway)."""
+    adaptive: bool = False
+    """Adaptive controller (Ziegler et al. 2019) driving the per-sequence KL towards ``target`` (PPO only)."""
+    target: float = 6.0
+    """KL target in nats per sequence (adaptive only)."""
+    horizon: float = 10000.0
+    """Controller horizon in samples (adaptive only)."""
+
+
+@dataclass
+class RLLoopConfig:
+    """The iteration loop of the RL stages: rollouts, then updates on them."""
+
+    seed: int = 1234
+    """Seed for init, prompt order, sampling and minibatch order."""
+    iterations: int = 40
+    """Rollout + update iterations."""
+    prompts_per_iteration: int = 64
+    """Prompts per rollout over all data-parallel ranks (each gets ``generation.samples_per_prompt`` samples)."""
+    epochs: int = 1
+    """Passes over each rollout (PPO's ``ppo_epochs``)."""
+    minibatches: int = 1
+    """Optimizer steps per pass; the rollout is split into this many minibatches."""
+    micro_batch_size: int = 16
+    """Rows per forward/backward."""
+    log_interval: int = 1
+    """Iterations between progress lines / metric logs."""
+    eval_interval: int = 10
+    """Iterations between greedy validation passes on held-out prompts (0 = only at the end)."""
+    eval_prompts: int = 64
+    """Held-out prompts per validation pass."""
+    save_interval: int = 10
+    """Iterations between resumable checkpoints (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Training checkpoints kept (oldest deleted)."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in the run directory."""
+
+    def validate(self) -> None:
+        if self.iterations < 1 or self.epochs < 1 or self.minibatches < 1 or self.prompts_per_iteration < 1:
+            raise ConfigError("rl: iterations, epochs, minibatches and prompts_per_iteration must be >= 1")
+
+    @property
+    def steps_per_iteration(self) -> int:
+        """Optimizer steps per iteration: epochs x minibatches."""
+        return self.epochs * self.minibatches
+
+
+@dataclass
+class OffloadConfig:
+    """Memory options for large models (no effect on CPU)."""
+
+    frozen_models: bool = False
+    """Keep the reference and reward model on the CPU except while they score a rollout."""
+    optimizer_states: bool = False
+    """Move the optimizers' Adam moments to the CPU while generating and scoring."""
+
+
+@dataclass
+class StageRunConfig:
+    """Where a training stage starts and keeps its run (the first fields of every training section)."""
+
+    init_from: str | None = None
+    """Override the stage's starting model (checkpoint dir or HF model dir); None = the stage's catalog input
+    (sft_policy; SFT: random init from ``params:model``)."""
+    runs_dir: str = "data/06_models/_runs"
+    """Where run directories live; a run directory is keyed by the job's inputs and config, so a rerun after an
+    interruption resumes from its latest checkpoint."""
+    keep_run_dir: bool = False
+    """Keep the run directory (training checkpoints, logs) after the model has been stored as a catalog version."""
+
+
+@dataclass(kw_only=True)
+class TrainPaths:
+    """The files a supervised stage's job reads and its run directory (absolute paths, resolved by the node)."""
+
+    run_dir: str
+    """Working directory: config, logs, training checkpoints, result.json; the final model goes to run_dir/model."""
+    train_data: str
+    """Tokenized training .npz (SFT: input_ids/labels/loss_mask; preference: chosen_*/rejected_*)."""
+    val_data: str
+    """Tokenized validation .npz (same format)."""
+    tokenizer: str
+    """Tokenizer directory (ours or an HF model's)."""
+    init_from: str | None = None
+    """The starting model: a checkpoint dir (meta.json) or HF model dir; None = random init from ``model``."""
+
+
+@dataclass(kw_only=True)
+class RLPaths:
+    """The files an RL stage's job reads and its run directory (absolute paths, resolved by the node)."""
+
+    run_dir: str
+    """Working directory: config, logs, per-model training checkpoints, result.json, the exported models."""
+    prompts: str
+    """Training prompts .jsonl (prompt, prompt_ids, optional answer)."""
+    val_prompts: str | None = None
+    """Held-out prompts .jsonl for the periodic validation (None = no validation)."""
+    tokenizer: str
+    """Tokenizer directory."""
+    policy: str
+    """The policy's starting checkpoint (normally sft_policy)."""
+    reference: str | None = None
+    """Frozen KL reference (None = ``policy``)."""
+    reward_model: str | None = None
+    """Frozen reward model (value head); required when ``reward.reward_model_weight`` is not 0."""

@@ -1,0 +1,90 @@
+"""``params:dpo``, the DPO job and the reference log-probs job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from align_pipeline.config.base import ConfigError
+from align_pipeline.config.common import ModelConfig, ParallelConfig, StageRunConfig, TrainingConfig, TrainPaths
+
+REFERENCE_FREE_LOSSES: frozenset[str] = frozenset({"simpo"})
+"""Preference losses that never read reference log-probs (the DPO job may then run without them)."""
+
+
+@dataclass
+class PreferenceLossConfig:
+    """Which preference loss (a function in ``align_pipeline.losses.preference``) and its hyper-parameters."""
+
+    name: Literal["dpo", "ipo", "rpo", "simpo", "hinge"] = "dpo"
+    """The loss function (the registry key); each cites its paper."""
+    beta: float = 0.1
+    """beta of the paper (KL strength / reward scale)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of that loss, e.g. label_smoothing (dpo), eta (rpo), gamma (simpo)."""
+    sft_weight: float = 0.0
+    """Weight of the SFT (mean NLL of the chosen response) term added to the preference loss; 0 = off."""
+
+
+@dataclass
+class DPOConfig(StageRunConfig):
+    """``params:dpo``: DPO-family training of the policy against cached reference log-probs."""
+
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """The optimisation loop."""
+    loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
+    """The preference loss."""
+    reference_cache_dir: str = "data/07_model_output/reference_logps"
+    """Cached reference log-probs, one file per (reference checkpoint, preference data, tokenizer)."""
+    reference_micro_batch_size: int = 32
+    """Pairs per forward when computing reference log-probs."""
+
+
+@dataclass(kw_only=True)
+class DPOPaths(TrainPaths):
+    """A DPO job's files: the preference data, the policy's start (``init_from``, required) and the cache."""
+
+    reference_logps: str | None = None
+    """Cached reference log-probs (.npz from the reference_logps job); None only for reference-free losses."""
+
+
+@dataclass(kw_only=True)
+class DPOJob:
+    """What the DPO entry point runs: ``params:dpo`` + model/parallel + paths + lineage."""
+
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """The stage's section, as in ``parameters_dpo.yml``."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Run-time choices (attention backend); the architecture comes from ``paths.init_from``."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP / PP / sequence parallel / distributed optimizer / bf16."""
+    paths: DPOPaths
+    """Preference data, tokenizer, starting policy, reference log-probs, run directory."""
+    lineage: dict[str, Any] = field(default_factory=dict)
+    """Recorded into the output checkpoint's meta.json."""
+    stop_after: int | None = None
+    """Exit cleanly after this many steps of *this* invocation (an interruption, for resume tests)."""
+
+    def validate(self) -> None:
+        if self.paths.init_from is None:
+            raise ConfigError("DPOJob.paths.init_from: the policy starts from a checkpoint or HF dir")
+        if self.paths.reference_logps is None and self.dpo.loss.name not in REFERENCE_FREE_LOSSES:
+            raise ConfigError(f"DPOJob: loss {self.dpo.loss.name!r} needs paths.reference_logps")
+
+
+@dataclass(kw_only=True)
+class ReferenceLogpsJob:
+    """``python -m align_pipeline.train.reference_logps``: sequence log-probs of a frozen model on preference data."""
+
+    run_dir: str
+    """Working directory: config, logs, result.json."""
+    checkpoint: str
+    """The reference model (normally sft_policy)."""
+    data: dict[str, str]
+    """split name -> preference .npz (e.g. {"train": ..., "val": ...})."""
+    output: str
+    """Where rank 0 writes the .npz: <split>_chosen_logps, <split>_rejected_logps, <split>_*_tokens."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP / PP of the forward passes."""
+    micro_batch_size: int = 32
+    """Sequence pairs per forward (``params:dpo.reference_micro_batch_size``)."""

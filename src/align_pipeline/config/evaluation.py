@@ -1,0 +1,62 @@
+"""``params:evaluation`` and the evaluation job (``python -m align_pipeline.train.evaluate``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from align_pipeline.config.common import GenerationConfig, ParallelConfig
+
+
+@dataclass
+class EvaluationConfig:
+    """``params:evaluation``: every policy against the SFT reference on the held-out prompts."""
+
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Sampling of the responses that are scored."""
+    greedy: bool = True
+    """Also report greedy-decoding accuracy."""
+    checker: str = "align_pipeline.data.demo_task:check"
+    """``module:function(prompt, response, answer) -> bool``, the verifiable reward."""
+    micro_batch_size: int = 64
+    """Rows per scoring forward."""
+    runs_dir: str = "data/06_models/_runs"
+    """Where the evaluation's run directory (logs, result.json) lives."""
+
+
+@dataclass(kw_only=True)
+class EvaluationPaths:
+    """The files an evaluation job reads and where it writes (absolute paths, resolved by the node)."""
+
+    run_dir: str
+    """Working directory: config, logs, result.json."""
+    output_dir: str
+    """Where rank 0 writes report.json, report.md, the plots and meta.json."""
+    tokenizer: str
+    """Tokenizer directory."""
+    prompts: str
+    """Held-out prompts .jsonl (prompt, prompt_ids, answer)."""
+    policies: dict[str, str]
+    """name -> policy checkpoint."""
+    reference: str | None = None
+    """KL reference checkpoint (None = the policy named "sft", else the first one)."""
+    reward_model: str | None = None
+    """Reward-model checkpoint (value head) to score responses and measure RM accuracy; None = skip."""
+    preference_data: str | None = None
+    """Held-out preference pairs .npz for RM accuracy."""
+    sft_data: str | None = None
+    """Held-out SFT .npz for validation perplexity."""
+
+
+@dataclass(kw_only=True)
+class EvaluationJob:
+    """What the evaluation entry point runs: ``params:evaluation`` + parallel + paths + lineage."""
+
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    """The stage's section, as in ``parameters_evaluation.yml``."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP / DP of the evaluation job."""
+    paths: EvaluationPaths
+    """Policies, reference, reward model, held-out data, output directory."""
+    lineage: dict[str, Any] = field(default_factory=dict)
+    """Recorded into the report's meta.json."""

@@ -1,0 +1,70 @@
+"""``params:ppo`` and the PPO job (``python -m align_pipeline.train.ppo``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from align_pipeline.config.base import ConfigError
+from align_pipeline.config.common import ModelConfig, OptimizerConfig, ParallelConfig, RLPaths
+from align_pipeline.config.rl import RLConfig, check_rl_job
+
+
+@dataclass
+class PPOLossConfig:
+    """PPO's clipped objective, GAE and whitening."""
+
+    clip_eps: float = 0.2
+    """Ratio clip epsilon of the policy loss."""
+    value_clip_eps: float = 0.2
+    """How far (in reward units) the value may move from its rollout estimate before clipping."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (0 = off; entropy is reported either way)."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the whole rollout (all DP ranks)."""
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    """``params:ppo``: actor + critic trained with PPO against a frozen reference and reward model."""
+
+    loss: PPOLossConfig = field(default_factory=PPOLossConfig)
+    """Clipping, GAE, entropy bonus, whitening."""
+    critic_optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The critic's optimizer and schedule."""
+
+
+@dataclass(kw_only=True)
+class PPOPaths(RLPaths):
+    """A PPO job's files: the RL inputs plus the critic's start."""
+
+    critic: str | None = None
+    """The critic's starting checkpoint: a value-head checkpoint (normally the reward model) or an LM checkpoint
+    (a fresh value head); None = ``reward_model``."""
+
+
+@dataclass(kw_only=True)
+class PPOJob:
+    """What the PPO entry point runs: ``params:ppo`` + model/parallel + paths + lineage."""
+
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """The stage's section, as in ``parameters_ppo.yml``."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Run-time choices (attention backend); the architectures come from the checkpoints."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP / DP (PP must be 1) / bf16."""
+    paths: PPOPaths
+    """Prompts, tokenizer, policy, reference, reward model, critic, run directory."""
+    lineage: dict[str, Any] = field(default_factory=dict)
+    """Recorded into the output checkpoints' meta.json."""
+    stop_after: int | None = None
+    """Exit cleanly after this many iterations of *this* invocation (an interruption, for resume tests)."""
+
+    def validate(self) -> None:
+        check_rl_job(self.ppo, self.parallel, self.paths, "PPOJob")
+        if (self.paths.critic or self.paths.reward_model) is None:
+            raise ConfigError("PPOJob: the critic needs paths.critic or paths.reward_model")

@@ -1,0 +1,57 @@
+"""``params:reinforce`` and the REINFORCE job (``python -m align_pipeline.train.reinforce``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from align_pipeline.config.base import ConfigError
+from align_pipeline.config.common import ModelConfig, ParallelConfig, RLPaths
+from align_pipeline.config.rl import RLConfig, check_rl_job
+
+
+@dataclass
+class ReinforceLossConfig:
+    """The REINFORCE-family estimator (the KL term is the section's ``kl``)."""
+
+    estimator: Literal["rloo", "grpo"] = "rloo"
+    """rloo: leave-one-out baseline (Ahmadian et al. 2024); grpo: group mean/std normalisation (Shao et al. 2024)."""
+    grpo_scale: bool = True
+    """GRPO: divide by the group std (False = Dr. GRPO)."""
+    clip_eps: float = 0.2
+    """Ratio clip when a rollout is used for more than one optimizer step (epochs or minibatches > 1)."""
+
+
+@dataclass
+class ReinforceConfig(RLConfig):
+    """``params:reinforce``: RLOO / GRPO with ``generation.samples_per_prompt`` >= 2, no critic."""
+
+    loss: ReinforceLossConfig = field(default_factory=ReinforceLossConfig)
+    """Which group baseline, and the clip of the multi-step form."""
+
+    def validate(self) -> None:
+        if self.generation.samples_per_prompt < 2:
+            raise ConfigError("reinforce: group baselines need generation.samples_per_prompt >= 2")
+        if self.kl.adaptive:
+            raise ConfigError("reinforce: kl.adaptive is a PPO controller; REINFORCE uses a constant kl.beta")
+
+
+@dataclass(kw_only=True)
+class ReinforceJob:
+    """What the REINFORCE entry point runs: ``params:reinforce`` + model/parallel + paths + lineage."""
+
+    reinforce: ReinforceConfig = field(default_factory=ReinforceConfig)
+    """The stage's section, as in ``parameters_reinforce.yml``."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Run-time choices (attention backend); the architectures come from the checkpoints."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP / DP (PP must be 1) / bf16."""
+    paths: RLPaths
+    """Prompts, tokenizer, policy, reference, optional reward model, run directory."""
+    lineage: dict[str, Any] = field(default_factory=dict)
+    """Recorded into the output checkpoint's meta.json."""
+    stop_after: int | None = None
+    """Exit cleanly after this many iterations of *this* invocation (an interruption, for resume tests)."""
+
+    def validate(self) -> None:
+        check_rl_job(self.reinforce, self.parallel, self.paths, "ReinforceJob")

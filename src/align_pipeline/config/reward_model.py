@@ -1,0 +1,48 @@
+"""``params:reward_model`` and the reward-model job (``python -m align_pipeline.train.reward_model``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from align_pipeline.config.base import ConfigError
+from align_pipeline.config.common import ModelConfig, ParallelConfig, StageRunConfig, TrainingConfig, TrainPaths
+
+
+@dataclass
+class RewardModelConfig(StageRunConfig):
+    """``params:reward_model``: the policy's transformer with a value head, trained on preference pairs."""
+
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """The optimisation loop."""
+    loss: Literal["bradley_terry", "regression"] = "bradley_terry"
+    """bradley_terry: pairwise on preference pairs; regression: SteerLM-style multi-attribute labels (the data is a
+    tokenized "regression" file with ``reward_labels`` [N, A]; missing labels are masked)."""
+    pooling: Literal["last", "mean"] = "mean"
+    """How a sequence's reward is read from the per-token values: last = the value at the final response token
+    (EOS); mean = the mean over the response tokens. Stored in meta.json (``reward_head``) for every later user."""
+    margin_scale: float = 0.0
+    """Bradley-Terry margin = margin_scale * (chosen_reward - rejected_reward) where the data has both (Llama 2)."""
+
+
+@dataclass(kw_only=True)
+class RewardModelJob:
+    """What the reward-model entry point runs: ``params:reward_model`` + model/parallel + paths + lineage.
+    ``paths.init_from`` (required) is usually sft_policy; its LM head is replaced by a fresh value head."""
+
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """The stage's section, as in ``parameters_reward_model.yml``."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Run-time choices (attention backend); the architecture comes from ``paths.init_from``."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP / PP / sequence parallel / distributed optimizer / bf16."""
+    paths: TrainPaths
+    """Preference data, tokenizer, starting model, run directory."""
+    lineage: dict[str, Any] = field(default_factory=dict)
+    """Recorded into the output checkpoint's meta.json."""
+    stop_after: int | None = None
+    """Exit cleanly after this many steps of *this* invocation (an interruption, for resume tests)."""
+
+    def validate(self) -> None:
+        if self.paths.init_from is None:
+            raise ConfigError("RewardModelJob.paths.init_from: a reward model starts from a checkpoint or HF dir")

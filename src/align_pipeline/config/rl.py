@@ -1,0 +1,45 @@
+"""What the RL sections share: ``params:ppo`` and ``params:reinforce`` both start with these fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from align_pipeline.config.base import ConfigError
+from align_pipeline.config.common import (
+    GenerationConfig,
+    KLConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RewardConfig,
+    RLLoopConfig,
+    RLPaths,
+    StageRunConfig,
+)
+
+
+@dataclass
+class RLConfig(StageRunConfig):
+    """The fields of every RL section: the loop, sampling, the reward, the KL term, the policy's optimizer."""
+
+    rl: RLLoopConfig = field(default_factory=RLLoopConfig)
+    """Iterations, rollout size, epochs x minibatches per rollout, intervals."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Rollout sampling (temperature, max new tokens, samples per prompt)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The sequence score: reward model and/or verifiable checker."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    """The KL-to-reference term and its coefficient ``beta``."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The policy's optimizer and schedule (over iterations x epochs x minibatches steps)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """CPU offload of frozen models / optimizer states between phases (GPU memory)."""
+
+
+def check_rl_job(section: RLConfig, parallel: ParallelConfig, paths: RLPaths, where: str) -> None:
+    """The checks every RL job makes before any process starts."""
+    if section.reward.reward_model_weight and paths.reward_model is None:
+        raise ConfigError(f"{where}: reward.reward_model_weight is {section.reward.reward_model_weight} but no "
+                          "reward model is given (paths.reward_model)")
+    if parallel.pipeline_model_parallel_size != 1:
+        raise ConfigError(f"{where}: RL stages generate rollouts, which needs pipeline_model_parallel_size 1")

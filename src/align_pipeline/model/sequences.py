@@ -1,0 +1,125 @@
+"""Sequence-level views of a model's outputs: preference pairs, per-token log-probs and values, sequence rewards.
+
+Each ``*_forward`` returns a ``forward(module, batch) -> (output, per_row_fn)`` for the forward-only helpers of
+:mod:`align_pipeline.train.core.schedule` (``per_row_fn(output)`` gives [b] or [b, k] on the last pipeline stage).
+Batches are right-padded: ``input_ids``/``labels``/``loss_mask`` [b, s], where ``loss_mask[:, t] = 1`` marks label t
+(= input token t+1) as a response token. Preference batches hold ``chosen_*`` and ``rejected_*`` of the same shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from align_pipeline.model.logprobs import token_nll
+
+
+def position_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] positions 0..s-1 (right padding: real tokens always start at 0)."""
+    b, s = input_ids.shape
+    return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+
+
+def run(module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The model's output for [b, s] token ids: this rank's vocab shard of the logits [b, s, V/tp] (LM head) or the
+    values [b, s, k] (value head); only meaningful on the last pipeline stage."""
+    return module(input_ids, position_ids(input_ids), None)
+
+
+def pair_batch(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stack chosen over rejected: input_ids/labels/loss_mask [2b, s] (rows 0..b-1 chosen, b..2b-1 rejected)."""
+
+    def cat(key: str) -> torch.Tensor:
+        return torch.cat([batch[f"chosen_{key}"], batch[f"rejected_{key}"]])
+
+    return cat("input_ids"), cat("labels"), cat("loss_mask")
+
+
+def sequence_rewards(values: torch.Tensor, loss_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """values [n, s, 1] at each *input* position -> rewards [n].
+
+    The response occupies input positions t+1 for every t with ``loss_mask[:, t] = 1``; "last" reads the value at the
+    final one (the EOS token, which has seen the whole sequence), "mean" averages over all of them.
+    """
+    values = values[..., 0].float()  # [n, s]
+    response = torch.zeros_like(loss_mask, dtype=torch.bool)  # [n, s] response tokens as inputs
+    response[:, 1:] = loss_mask[:, :-1] > 0
+    if pooling == "mean":
+        return (values * response).sum(-1) / response.sum(-1).clamp(min=1)
+    if pooling != "last":
+        raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
+    positions = torch.arange(values.shape[1], device=values.device).expand_as(values)  # [n, s]
+    last = torch.where(response, positions, torch.zeros_like(positions)).max(-1).values  # [n]
+    return values.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+def token_logprobs_forward(vocab_size: int, tp_rank: int):
+    """log pi(label_t | ids[:t+1]) at every position: [b, s] fp32 (meaningful where loss_mask is 1)."""
+
+    def forward(module, batch):
+        logits = run(module, batch["input_ids"])  # [b, s, V/tp]
+        return logits, lambda out: -token_nll(out, batch["labels"], vocab_size, tp_rank)
+
+    return forward
+
+
+def token_values_forward():
+    """A value-head model's output at every input position: [b, s] fp32 (V(s_t) for the action at label t)."""
+
+    def forward(module, batch):
+        values = run(module, batch["input_ids"])  # [b, s, 1]
+        return values, lambda out: out[..., 0].float()
+
+    return forward
+
+
+def nll_forward(vocab_size: int, tp_rank: int):
+    """Per row: [Σ response-token NLL, response tokens] -> [b, 2] (perplexity = exp(Σ col 0 / Σ col 1))."""
+
+    def forward(module, batch):
+        logits = run(module, batch["input_ids"])
+
+        def stats(logits):
+            nll = token_nll(logits, batch["labels"], vocab_size, tp_rank) * batch["loss_mask"]  # [b, s]
+            return torch.stack([nll.sum(-1), batch["loss_mask"].sum(-1)], dim=-1)  # [b, 2]
+
+        return logits, stats
+
+    return forward
+
+
+def pair_logps_forward(vocab_size: int, tp_rank: int):
+    """Per preference pair: [log pi(y_c|x), log pi(y_r|x), |y_c|, |y_r|] -> [b, 4] (sums over response tokens)."""
+
+    def forward(module, batch):
+        ids, labels, mask = pair_batch(batch)  # [2b, s]
+        logits = run(module, ids)  # [2b, s, V/tp]
+
+        def per_pair(logits):
+            logp = -(token_nll(logits, labels, vocab_size, tp_rank) * mask).sum(-1)  # [2b]
+            chosen, rejected = logp.chunk(2)
+            tc, tr = mask.sum(-1).chunk(2)
+            return torch.stack([chosen, rejected, tc, tr], dim=-1)  # [b, 4]
+
+        return logits, per_pair
+
+    return forward
+
+
+def rewards_forward(pooling: str):
+    """Sequence rewards of a value-head model: [b, 1] for rows, [b, 2] (chosen, rejected) for preference pairs."""
+
+    def forward(module, batch):
+        pairs = "chosen_input_ids" in batch
+        if pairs:
+            ids, _, mask = pair_batch(batch)  # [2b, s]
+        else:
+            ids, mask = batch["input_ids"], batch["loss_mask"]  # [b, s]
+        values = run(module, ids)
+
+        def stats(values):
+            r = sequence_rewards(values, mask, pooling)  # [rows]
+            return torch.stack(r.chunk(2), dim=-1) if pairs else r.unsqueeze(-1)
+
+        return values, stats
+
+    return forward

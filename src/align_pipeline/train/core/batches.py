@@ -1,0 +1,180 @@
+"""What a stage feeds its model: global batches of tokenized arrays, the RL prompt stream, rollout rows.
+
+* :class:`ArrayBatches` – deterministic, resumable global batches from the tokenized ``.npz`` arrays, sharded over DP.
+* :class:`PromptStream` – the prompts of each RL iteration (a pure function of the iteration: the resume cursor).
+* :func:`to_rows` / :func:`split_rows` – prompt + response tokens -> padded rows with the loss mask; rows ->
+  micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from align_pipeline.train.core.distributed import Dist
+
+
+class ArrayBatches:
+    """Global batches over a dict of arrays with equal first dimension.
+
+    Sample ``i`` of the run (``i = step * global_batch_size + j``) is ``perm(epoch)[i % N]`` with ``epoch = i // N``
+    and a permutation seeded by ``(seed, epoch)``, so the batch of any step is a pure function of the step: resuming at
+    step k replays exactly the data an uninterrupted run would see. Each DP rank takes its contiguous slice of the
+    global batch and splits it into micro-batches.
+    """
+
+    def __init__(
+        self,
+        arrays: dict[str, np.ndarray],
+        global_batch_size: int,
+        micro_batch_size: int,
+        dist: Dist,
+        seed: int,
+        shuffle: bool = True,
+    ):
+        sizes = {len(v) for v in arrays.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"arrays have different lengths: { {k: len(v) for k, v in arrays.items()} }")
+        per_rank = global_batch_size // dist.dp_size
+        if global_batch_size % dist.dp_size or per_rank % micro_batch_size:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} must split into DP={dist.dp_size} ranks x "
+                f"micro-batches of {micro_batch_size}"
+            )
+        self.arrays = arrays
+        self.n = sizes.pop()
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.per_rank = per_rank
+        self.dist = dist
+        self.seed = seed
+        self.shuffle = shuffle
+        self._perms: dict[int, np.ndarray] = {}
+
+    @property
+    def rows_per_sample(self) -> int:
+        """Sequences per sample (2 for preference pairs: chosen + rejected)."""
+        return 2 if "chosen_input_ids" in self.arrays else 1
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.per_rank // self.micro_batch_size
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if self.shuffle:
+                self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            else:
+                self._perms[epoch] = np.arange(self.n)
+        return self._perms[epoch]
+
+    def global_indices(self, step: int) -> np.ndarray:
+        first = step * self.global_batch_size
+        idx = np.arange(first, first + self.global_batch_size)
+        return np.array([self._perm(int(i // self.n))[i % self.n] for i in idx])
+
+    def microbatches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of global batch ``step``."""
+        idx = self.global_indices(step)
+        mine = idx[self.dist.dp_rank * self.per_rank : (self.dist.dp_rank + 1) * self.per_rank]
+        return [self._take(mine[i : i + self.micro_batch_size]) for i in range(0, self.per_rank, self.micro_batch_size)]
+
+    def eval_microbatches(self, limit: int | None = None, with_index: bool = False) -> list[dict[str, torch.Tensor]]:
+        """The first ``limit`` samples (all by default) in order, split over DP ranks; padded rows get no loss.
+
+        ``with_index`` adds ``index`` [b]: each row's sample index (-1 for padding rows), for per-sample outputs.
+        """
+        n = min(self.n, limit or self.n)
+        chunk = self.dist.dp_size * self.micro_batch_size
+        total = int(math.ceil(n / chunk) * chunk)
+        idx = np.arange(total)
+        valid = idx < n
+        idx = np.where(valid, idx, 0)
+        per_rank = total // self.dist.dp_size
+        sl = slice(self.dist.dp_rank * per_rank, (self.dist.dp_rank + 1) * per_rank)
+        mine, mine_valid = idx[sl], valid[sl]
+        out = []
+        for i in range(0, per_rank, self.micro_batch_size):
+            mb = self._take(mine[i : i + self.micro_batch_size])
+            keep = torch.from_numpy(mine_valid[i : i + self.micro_batch_size]).to(self.dist.device)
+            for k, v in mb.items():
+                if k.endswith("loss_mask"):
+                    mb[k] = v * keep.unsqueeze(-1).to(v.dtype)
+            mb["valid"] = keep
+            if with_index:
+                idx_mb = torch.from_numpy(mine[i : i + self.micro_batch_size]).to(self.dist.device)
+                mb["index"] = torch.where(keep, idx_mb, torch.full_like(idx_mb, -1))
+            out.append(mb)
+        return out
+
+    def _take(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        return {k: torch.from_numpy(np.ascontiguousarray(v[idx])).to(self.dist.device) for k, v in self.arrays.items()}
+
+
+def load_split_batches(train_path: str, val_path: str, global_batch_size: int, micro_batch_size: int, dist: Dist,
+                       seed: int, extra=None) -> tuple[ArrayBatches, ArrayBatches]:
+    """Train (shuffled) and validation (in order) batches of two tokenized .npz files.
+
+    ``extra(arrays, split)`` may add per-sample arrays (e.g. the cached reference log-probs of DPO)."""
+    out = []
+    for split, path in (("train", train_path), ("val", val_path)):
+        arrays = dict(np.load(path))
+        if extra is not None:
+            arrays = extra(arrays, split)
+        out.append(ArrayBatches(arrays, global_batch_size, micro_batch_size, dist, seed=seed, shuffle=split == "train"))
+    return out[0], out[1]
+
+
+class PromptStream:
+    """``per_iteration`` prompts per iteration over all DP ranks, in a seeded order that reshuffles every epoch.
+
+    The prompts of iteration ``i`` are a pure function of ``i`` (the same scheme as :class:`ArrayBatches`), so the
+    prompt cursor of a resumed run is just its iteration number.
+    """
+
+    def __init__(self, records: list[dict], per_iteration: int, dist: Dist, seed: int):
+        if not records:
+            raise ValueError("no prompts")
+        if per_iteration % dist.dp_size:
+            raise ValueError(f"prompts_per_iteration {per_iteration} must split over DP={dist.dp_size} ranks")
+        self.records = records
+        self.per_iteration = per_iteration
+        self._batches = ArrayBatches({"index": np.arange(len(records))}, per_iteration, per_iteration // dist.dp_size,
+                                     dist, seed=seed, shuffle=True)
+
+    def local(self, iteration: int) -> list[dict]:
+        """This DP rank's prompt records of ``iteration``."""
+        (mb,) = self._batches.microbatches(iteration)
+        return [self.records[i] for i in mb["index"].tolist()]
+
+    def consumed(self, iteration: int) -> int:
+        """Prompts drawn before ``iteration`` (the cursor)."""
+        return iteration * self.per_iteration
+
+
+def to_rows(prompt_ids: list[list[int]], responses: list[list[int]], seq_length: int, pad_id: int) -> dict:
+    """prompt + response token lists -> right-padded input_ids/labels/loss_mask [n, s] numpy arrays.
+
+    ``loss_mask[i, t] = 1`` when label t (= token t+1) is a response token, so per-token tensors of the RL math
+    ([n, s], position t = the action y_{t+1} taken in state ids[:t+1]) line up with the model's outputs at input
+    position t.
+    """
+    n = len(prompt_ids)
+    ids = np.full((n, seq_length), pad_id, dtype=np.int64)
+    mask = np.zeros((n, seq_length), dtype=np.float32)
+    for i, (p, r) in enumerate(zip(prompt_ids, responses)):
+        seq = (p + r)[:seq_length]
+        ids[i, : len(seq)] = seq
+        mask[i, len(p) - 1 : len(seq) - 1] = 1.0  # label t = token t+1 is a response token
+    labels = np.full_like(ids, pad_id)
+    labels[:, :-1] = ids[:, 1:]
+    return {"input_ids": ids, "labels": labels, "loss_mask": mask}
+
+
+def split_rows(rows: dict[str, torch.Tensor], micro_batch_size: int, order: torch.Tensor | None = None) -> list[dict]:
+    """Row dict [n, ...] -> micro-batches of ``micro_batch_size`` rows (optionally in ``order``)."""
+    first = next(iter(rows.values()))
+    idx = order if order is not None else torch.arange(len(first), device=first.device)
+    return [{k: v[idx[i : i + micro_batch_size]] for k, v in rows.items()} for i in range(0, len(idx), micro_batch_size)]

@@ -1,0 +1,87 @@
+"""What rank 0 shows and keeps of a run: progress lines, log lines, and ``result.json`` at the end."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from align_pipeline.train.core.distributed import Dist, shutdown
+
+# (metric key, label, format) shown in a progress line when present, in this order.
+STEP_FIELDS = (("loss", "loss", "{:.4f}"), ("val_loss", "val_loss", "{:.4f}"), ("lr", "lr", "{:.1e}"),
+               ("grad_norm", "gnorm", "{:.2f}"))
+ITERATION_FIELDS = (("rollout/rewards_mean", "reward", "{:.3f}"), ("rollout/accuracy", "acc", "{:.3f}"),
+                    ("rollout/init_policy_kl", "kl", "{:.4f}"), ("train/policy_loss", "pg", "{:.4f}"),
+                    ("train/pg_loss", "pg", "{:.4f}"), ("critic/value_loss", "vf", "{:.4f}"),
+                    ("val/greedy_accuracy", "val_greedy_acc", "{:.3f}"), ("timing/generate_s", "gen", "{:.2f}s"),
+                    ("timing/train_s", "train", "{:.2f}s"))
+
+
+def log(dist: Dist, msg: str) -> None:
+    """Print on rank 0 only."""
+    if dist.is_logging_rank:
+        print(msg, file=sys.stdout, flush=True)
+
+
+class Progress:
+    """Rank-0 progress line: ``step 20/300 | loss 1.2340 | lr 1.0e-03 | gnorm 0.52 | 5321 tok/s | eta 0:01:02`` for
+    the supervised stages (``unit="step"``), ``[ppo] iter 10/200 | reward 0.412 | ... | eta 0:02:10`` for RL."""
+
+    def __init__(self, total: int, start: int, dist: Dist, unit: str = "step", prefix: str = ""):
+        self.total, self.start, self.dist, self.unit, self.prefix = total, start, dist, unit, prefix
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+
+    def add_tokens(self, n: int) -> None:
+        self.tokens += n
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+
+    def eta_s(self, done_until: int) -> float:
+        elapsed = time.perf_counter() - self.t0
+        return elapsed / max(done_until - self.start, 1) * (self.total - done_until)
+
+    def line(self, at: int, metrics: dict[str, float]) -> str:
+        label = "step" if self.unit == "step" else "iter"
+        parts = [f"{self.prefix}{label} {at}/{self.total}"]
+        for key, name, fmt in (STEP_FIELDS if self.unit == "step" else ITERATION_FIELDS):
+            if key in metrics:
+                parts.append(f"{name} {fmt.format(metrics[key])}")
+        if self.unit == "step":
+            parts.append(f"{self.tokens_per_s():.0f} tok/s")
+        eta = int(self.eta_s(at))
+        parts.append(f"eta {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}")
+        return " | ".join(parts)
+
+    def print(self, at: int, metrics: dict[str, float]) -> None:
+        log(self.dist, self.line(at, metrics))
+
+
+def finish(dist: Dist, logger, run_dir: str | Path, result: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0 writes ``run_dir/result.json``; every rank closes its tracking and process groups."""
+    if dist.is_logging_rank:
+        (Path(run_dir) / "result.json").write_text(json.dumps(result, indent=2))
+    logger.close()
+    shutdown()
+    return result
+
+
+class RunLog:
+    """Rank 0's record of a run: the progress line, MLflow metrics (+ system metrics) every ``interval`` steps or
+    iterations (and at the last one, and whenever ``force``), and the history kept in result.json."""
+
+    def __init__(self, dist: Dist, logger, progress: Progress, interval: int):
+        self.dist, self.logger, self.progress, self.interval = dist, logger, progress, interval
+        self.history: list[dict[str, float]] = []
+
+    def record(self, at: int, metrics: dict[str, float], kept: dict[str, float], force: bool = False) -> None:
+        """``kept`` goes to the history; ``metrics`` to the progress line and MLflow when due."""
+        self.history.append(kept)
+        if force or at % self.interval == 0 or at == self.progress.total:
+            self.progress.print(at, metrics)
+            self.logger.log_metrics(metrics, at)
+            self.logger.log_system_metrics(at)
