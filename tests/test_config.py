@@ -5,10 +5,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import itertools
 
 import pytest
 
-import align_pipeline.config as config
+from align_pipeline import config
 from align_pipeline.config import ConfigError, PPOConfig, ReinforceConfig, SFTJob, from_dict
 
 CLASSES = [getattr(config, name) for name in config.__all__
@@ -22,7 +23,7 @@ def _documented_fields(cls) -> set[str]:
         if not dataclasses.is_dataclass(klass):
             continue
         body = ast.parse(inspect.getsource(klass)).body[0].body
-        for stmt, nxt in zip(body, body[1:]):
+        for stmt, nxt in itertools.pairwise(body):
             if (isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
                     and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
                 names.add(stmt.target.id)

@@ -21,6 +21,8 @@ from mlflow.tracking import MlflowClient
 from align_pipeline.hooks import MlflowHook
 from align_pipeline.tracking import child_run_env, default_tracking_uri
 
+pytestmark = pytest.mark.slow  # launches torchrun jobs or a KedroSession
+
 MLFLOW_VARS = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID")
 
 

@@ -18,6 +18,8 @@ import pytest
 from align_pipeline.config import LaunchConfig
 from align_pipeline.launch import LaunchError, LaunchInterrupted, build_command, build_env, run_torchrun
 
+pytestmark = pytest.mark.slow  # launches torchrun jobs or a KedroSession
+
 HERE = Path(__file__).parent
 TOY_ENV = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), "TOY": "yes"}
 TWO = LaunchConfig(nproc_per_node=2, backend="gloo", threads_per_process=1, log_tail_lines=12)

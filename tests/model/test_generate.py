@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from jobs import RAW, make_sft_data, run_sft, sft_job
+from jobs import RAW
 from test_megatron_cpu import run_py
 
 from align_pipeline.config import LaunchConfig
@@ -28,18 +28,16 @@ NEW = 16
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tiny_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("generate")
-    data = make_sft_data(tmp / "data")
-    trained = run_sft(sft_job(data, tmp / "sft", training={"train_steps": 30}))
-    tok = load_tokenizer(data["tokenizer"])
+    tok = load_tokenizer(tiny_models["tokenizer"])
     texts = [json.loads(line)["prompt"] for line in (RAW / "prompts.jsonl").read_text().splitlines()]
     by_length = {len(t): t for t in texts}  # one prompt of each length first, to vary the padding
     chosen = (list(by_length.values()) + texts)[: N - 1]
     prompts = [[tok.bos_id]] + [[tok.bos_id] + tok.encode(t) for t in chosen]  # + a BOS-only prompt: all padding
     prompts += [[tok.bos_id] + tok.encode(t) for t in texts[:64]]
     assert len(prompts) == N + 64 and len({len(p) for p in prompts[:N]}) >= 3
-    return {"tmp": tmp, "tok": tok, "checkpoint": trained["model_dir"], "prompts": prompts}
+    return {"tmp": tmp, "tok": tok, "checkpoint": tiny_models["sft"], "prompts": prompts}
 
 
 def _run(setup, name: str, tp: int, cases: list[dict], variants: list[dict]) -> dict:

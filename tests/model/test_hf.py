@@ -20,6 +20,8 @@ from align_pipeline.config import LaunchConfig, ModelConfig
 from align_pipeline.launch import run_torchrun
 from align_pipeline.model import hf
 
+pytestmark = pytest.mark.slow  # launches torchrun jobs or a KedroSession
+
 TESTS = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 100, 12
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, size=(2, SEQ)).tolist()

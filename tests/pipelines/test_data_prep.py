@@ -16,6 +16,8 @@ import pytest
 from align_pipeline.data.demo_task import make_demo_datasets
 from align_pipeline.data.schemas import DataValidationError
 
+pytestmark = pytest.mark.slow  # launches torchrun jobs or a KedroSession
+
 ROOT = Path(__file__).resolve().parents[2]
 OUTPUT_DIRS = ("02_intermediate", "03_primary", "05_model_input", "06_models")
 OUTPUTS = ("sft_train.npz", "sft_val.npz", "pref_train.npz", "pref_val.npz", "prompts_train.jsonl", "prompts_val.jsonl")

@@ -32,6 +32,8 @@ from align_pipeline.config import (
 )
 from align_pipeline.launch import run_torchrun
 
+pytestmark = pytest.mark.slow  # launches torchrun jobs or a KedroSession
+
 HERE = Path(__file__).resolve().parent
 # Per-iteration numbers that are not timings (those differ run to run).
 DETERMINISTIC = ("rollout/", "train/", "critic/", "val/")

@@ -1,0 +1,128 @@
+"""Unit tests of the training toolbox's pure pieces (no torchrun): rollout rows, resumable batches, the prompt
+stream, DP statistics, sequence rewards and the vocab-parallel entropy, with hand-computed values."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as tdist
+
+from align_pipeline.model.logprobs import token_entropy
+from align_pipeline.model.sequences import pair_batch, sequence_rewards
+from align_pipeline.train.core.batches import ArrayBatches, PromptStream, split_rows, to_rows
+from align_pipeline.train.core.distributed import Dist
+from align_pipeline.train.core.rollout import DPStats
+
+
+def dist(dp_rank: int = 0, dp_size: int = 1) -> Dist:
+    return Dist(rank=dp_rank, world_size=dp_size, local_rank=0, device=torch.device("cpu"), backend="gloo",
+                pgs=types.SimpleNamespace(dp=None, tp=None), tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                dp_rank=dp_rank, dp_size=dp_size)
+
+
+def test_to_rows_aligns_labels_and_loss_mask_with_the_response():
+    rows = to_rows([[1, 2, 3], [7]], [[4, 5], [8, 9, 6]], seq_length=6, pad_id=0)
+    assert rows["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0], [7, 8, 9, 6, 0, 0]]
+    assert rows["labels"].tolist() == [[2, 3, 4, 5, 0, 0], [8, 9, 6, 0, 0, 0]]
+    # label t = token t+1: the mask marks exactly the positions whose label is a response token
+    assert rows["loss_mask"].tolist() == [[0, 0, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]
+    assert rows["labels"][rows["loss_mask"] > 0].tolist() == [4, 5, 8, 9, 6]
+
+
+def test_to_rows_truncates_at_seq_length():
+    rows = to_rows([[1, 2]], [[3, 4, 5, 6]], seq_length=4, pad_id=0)
+    assert rows["input_ids"].tolist() == [[1, 2, 3, 4]]
+    assert rows["loss_mask"].tolist() == [[0, 1, 1, 0]]  # the label of the last position is cut off
+
+
+def test_array_batches_are_a_pure_function_of_the_step_and_split_over_dp():
+    arrays = {"x": np.arange(10)}
+    whole = ArrayBatches(arrays, 4, 2, dist(), seed=3)
+    again = ArrayBatches(arrays, 4, 2, dist(), seed=3)
+    assert [whole.global_indices(s).tolist() for s in range(5)] == [again.global_indices(s).tolist()
+                                                                     for s in (0, 1, 2, 3, 4)]
+    # steps 0..4 cover 20 samples = two epochs of 10, each a permutation
+    first_epoch = np.concatenate([whole.global_indices(s) for s in range(5)])
+    assert sorted(first_epoch[:10]) == list(range(10)) and sorted(first_epoch[10:]) == list(range(10))
+    ranks = [ArrayBatches(arrays, 4, 2, dist(r, 2), seed=3) for r in range(2)]
+    for step in range(3):
+        mine = [torch.cat([mb["x"] for mb in b.microbatches(step)]).tolist() for b in ranks]
+        assert mine[0] + mine[1] == whole.global_indices(step).tolist()
+        assert all(len(b.microbatches(step)) == 1 for b in ranks)  # 4 / DP 2 = 2 = one micro-batch of 2
+
+
+def test_eval_microbatches_pad_with_masked_rows():
+    arrays = {"x": np.arange(5), "loss_mask": np.ones((5, 3), dtype=np.float32)}
+    mbs = ArrayBatches(arrays, 2, 2, dist(), seed=0, shuffle=False).eval_microbatches(with_index=True)
+    assert [mb["index"].tolist() for mb in mbs] == [[0, 1], [2, 3], [4, -1]]
+    assert mbs[-1]["valid"].tolist() == [True, False] and mbs[-1]["loss_mask"][1].sum() == 0
+
+
+def test_prompt_stream_is_resumable_and_reshuffles_per_epoch():
+    records = [{"i": i} for i in range(6)]
+    stream = PromptStream(records, 3, dist(), seed=1)
+    its = [[r["i"] for r in stream.local(it)] for it in range(4)]
+    assert sorted(its[0] + its[1]) == list(range(6)) and sorted(its[2] + its[3]) == list(range(6))
+    assert its[:2] != its[2:]  # another order in the next epoch
+    assert its == [[r["i"] for r in PromptStream(records, 3, dist(), seed=1).local(it)] for it in range(4)]
+    assert stream.consumed(4) == 12
+    with pytest.raises(ValueError, match="split over DP=2"):
+        PromptStream(records, 3, dist(0, 2), seed=1)
+
+
+def test_split_rows_follows_the_order():
+    rows = {"a": torch.arange(5)}
+    out = split_rows(rows, 2, torch.tensor([4, 0, 3, 1, 2]))
+    assert [mb["a"].tolist() for mb in out] == [[4, 0], [3, 1], [2]]
+
+
+@pytest.fixture(scope="module")
+def single_process_group():
+    if not tdist.is_initialized():
+        tdist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    yield
+    tdist.destroy_process_group()
+
+
+def test_dp_stats_means_and_stds(single_process_group):
+    stats = DPStats(dist())
+    stats.add("r", torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    stats.add("tok", torch.tensor([[1.0, 5.0], [3.0, 100.0]]), mask=torch.tensor([[1, 1], [1, 0]]))
+    stats.add("frac", torch.tensor([1.0, 0.0, 0.0, 0.0]), std=False)
+    out = stats.reduce()
+    assert out["r_mean"] == pytest.approx(3.0) and out["r_std"] == pytest.approx(math.sqrt(3.5))  # population std
+    assert out["tok_mean"] == pytest.approx(3.0) and out["tok_std"] == pytest.approx(math.sqrt(8 / 3))
+    assert out["frac"] == pytest.approx(0.25) and "frac_mean" not in out
+
+
+def test_sequence_rewards_last_and_mean_pooling():
+    values = torch.tensor([[10.0, 1.0, 2.0, 3.0, 99.0]]).unsqueeze(-1)  # [1, 5, 1]
+    loss_mask = torch.tensor([[0.0, 1.0, 1.0, 0.0, 0.0]])  # labels 1, 2 = input tokens 2, 3 are the response
+    assert sequence_rewards(values, loss_mask, "last").tolist() == [3.0]  # value at input position 3
+    assert sequence_rewards(values, loss_mask, "mean").tolist() == [2.5]  # mean of positions 2, 3
+    with pytest.raises(ValueError, match="pooling"):
+        sequence_rewards(values, loss_mask, "max")
+
+
+def test_pair_batch_stacks_chosen_over_rejected():
+    batch = {f"{side}_{k}": torch.full((2, 3), v) for side, v in (("chosen", 1), ("rejected", 2))
+             for k in ("input_ids", "labels", "loss_mask")}
+    ids, labels, mask = pair_batch(batch)
+    for t in (ids, labels, mask):
+        assert t.shape == (4, 3) and t[:2].eq(1).all() and t[2:].eq(2).all()
+
+
+def test_token_entropy_is_over_the_real_vocabulary():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)  # 6 real tokens + 2 padded columns
+    h = token_entropy(logits, vocab_size=6, tp_rank=0)
+    p = torch.softmax(logits[..., :6], dim=-1)
+    plain = -(p * torch.log(p)).sum(-1)
+    assert torch.allclose(h.double(), plain, atol=1e-6)
+    (g,) = torch.autograd.grad(h.sum(), logits)
+    (g_plain,) = torch.autograd.grad(plain.sum(), logits)
+    assert torch.allclose(g, g_plain, atol=1e-6) and g[..., 6:].abs().max() == 0
