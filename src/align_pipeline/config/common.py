@@ -7,7 +7,7 @@ Every config is a dataclass with a docstring per field (Megatron-core's style); 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from align_pipeline.config.base import ConfigError
 
@@ -317,3 +317,18 @@ class RLPaths:
     """Frozen KL reference (None = ``policy``)."""
     reward_model: str | None = None
     """Frozen reward model (value head); required when ``reward.reward_model_weight`` is not 0."""
+
+
+@dataclass(kw_only=True)
+class StageJob:
+    """What every training job carries besides its section and paths (a job = ``params:<stage>`` + these + paths)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture for random init (SFT); otherwise only run-time choices apply (attention backend) and the
+    architecture comes from the starting checkpoint."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP / PP / sequence parallel / distributed optimizer / bf16 (RL stages: PP must be 1)."""
+    lineage: dict[str, Any] = field(default_factory=dict)
+    """Recorded into the output checkpoints' meta.json (data fingerprints, parent checkpoints, ...)."""
+    stop_after: int | None = None
+    """Exit cleanly after this many steps (iterations) of *this* invocation: an interruption, for resume tests."""

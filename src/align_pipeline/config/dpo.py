@@ -6,7 +6,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from align_pipeline.config.base import ConfigError
-from align_pipeline.config.common import ModelConfig, ParallelConfig, StageRunConfig, TrainingConfig, TrainPaths
+from align_pipeline.config.common import (
+    ParallelConfig,
+    StageJob,
+    StageRunConfig,
+    TrainingConfig,
+    TrainPaths,
+)
 
 REFERENCE_FREE_LOSSES: frozenset[str] = frozenset({"simpo"})
 """Preference losses that never read reference log-probs (the DPO job may then run without them)."""
@@ -49,21 +55,13 @@ class DPOPaths(TrainPaths):
 
 
 @dataclass(kw_only=True)
-class DPOJob:
+class DPOJob(StageJob):
     """What the DPO entry point runs: ``params:dpo`` + model/parallel + paths + lineage."""
 
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """The stage's section, as in ``parameters_dpo.yml``."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Run-time choices (attention backend); the architecture comes from ``paths.init_from``."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """TP / PP / sequence parallel / distributed optimizer / bf16."""
     paths: DPOPaths
     """Preference data, tokenizer, starting policy, reference log-probs, run directory."""
-    lineage: dict[str, Any] = field(default_factory=dict)
-    """Recorded into the output checkpoint's meta.json."""
-    stop_after: int | None = None
-    """Exit cleanly after this many steps of *this* invocation (an interruption, for resume tests)."""
 
     def validate(self) -> None:
         if self.paths.init_from is None:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from align_pipeline.config.base import ConfigError
-from align_pipeline.config.common import ModelConfig, OptimizerConfig, ParallelConfig, RLPaths
+from align_pipeline.config.common import OptimizerConfig, RLPaths, StageJob
 from align_pipeline.config.rl import RLConfig, check_rl_job
 
 
@@ -48,21 +47,13 @@ class PPOPaths(RLPaths):
 
 
 @dataclass(kw_only=True)
-class PPOJob:
+class PPOJob(StageJob):
     """What the PPO entry point runs: ``params:ppo`` + model/parallel + paths + lineage."""
 
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """The stage's section, as in ``parameters_ppo.yml``."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Run-time choices (attention backend); the architectures come from the checkpoints."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """TP / DP (PP must be 1) / bf16."""
     paths: PPOPaths
     """Prompts, tokenizer, policy, reference, reward model, critic, run directory."""
-    lineage: dict[str, Any] = field(default_factory=dict)
-    """Recorded into the output checkpoints' meta.json."""
-    stop_after: int | None = None
-    """Exit cleanly after this many iterations of *this* invocation (an interruption, for resume tests)."""
 
     def validate(self) -> None:
         check_rl_job(self.ppo, self.parallel, self.paths, "PPOJob")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from align_pipeline.config.base import ConfigError
-from align_pipeline.config.common import ModelConfig, ParallelConfig, RLPaths
+from align_pipeline.config.common import RLPaths, StageJob
 from align_pipeline.config.rl import RLConfig, check_rl_job
 
 
@@ -37,21 +37,13 @@ class ReinforceConfig(RLConfig):
 
 
 @dataclass(kw_only=True)
-class ReinforceJob:
+class ReinforceJob(StageJob):
     """What the REINFORCE entry point runs: ``params:reinforce`` + model/parallel + paths + lineage."""
 
     reinforce: ReinforceConfig = field(default_factory=ReinforceConfig)
     """The stage's section, as in ``parameters_reinforce.yml``."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Run-time choices (attention backend); the architectures come from the checkpoints."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """TP / DP (PP must be 1) / bf16."""
     paths: RLPaths
     """Prompts, tokenizer, policy, reference, optional reward model, run directory."""
-    lineage: dict[str, Any] = field(default_factory=dict)
-    """Recorded into the output checkpoint's meta.json."""
-    stop_after: int | None = None
-    """Exit cleanly after this many iterations of *this* invocation (an interruption, for resume tests)."""
 
     def validate(self) -> None:
         check_rl_job(self.reinforce, self.parallel, self.paths, "ReinforceJob")

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from align_pipeline.config.base import ConfigError
-from align_pipeline.config.common import ModelConfig, ParallelConfig, StageRunConfig, TrainingConfig, TrainPaths
+from align_pipeline.config.common import (
+    StageJob,
+    StageRunConfig,
+    TrainingConfig,
+    TrainPaths,
+)
 
 
 @dataclass
@@ -26,22 +31,14 @@ class RewardModelConfig(StageRunConfig):
 
 
 @dataclass(kw_only=True)
-class RewardModelJob:
+class RewardModelJob(StageJob):
     """What the reward-model entry point runs: ``params:reward_model`` + model/parallel + paths + lineage.
     ``paths.init_from`` (required) is usually sft_policy; its LM head is replaced by a fresh value head."""
 
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """The stage's section, as in ``parameters_reward_model.yml``."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Run-time choices (attention backend); the architecture comes from ``paths.init_from``."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """TP / PP / sequence parallel / distributed optimizer / bf16."""
     paths: TrainPaths
     """Preference data, tokenizer, starting model, run directory."""
-    lineage: dict[str, Any] = field(default_factory=dict)
-    """Recorded into the output checkpoint's meta.json."""
-    stop_after: int | None = None
-    """Exit cleanly after this many steps of *this* invocation (an interruption, for resume tests)."""
 
     def validate(self) -> None:
         if self.paths.init_from is None:

@@ -12,23 +12,23 @@ from __future__ import annotations
 
 import functools
 import time
-from pathlib import Path
 
 import numpy as np
 
-from align_pipeline.config import DPOJob, PreferenceLossConfig, config_hash, to_dict
+from align_pipeline.config import DPOJob, PreferenceLossConfig
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.preference import PreferenceLogps, combine, get_preference_loss
 from align_pipeline.model import init
 from align_pipeline.model.logprobs import token_nll
 from align_pipeline.model.sequences import pair_batch, run
 from align_pipeline.tracking import RunLogger
+from align_pipeline.train.core import supervised
 from align_pipeline.train.core.batches import load_split_batches
 from align_pipeline.train.core.checkpointing import Checkpoints
 from align_pipeline.train.core.cli import cli
 from align_pipeline.train.core.distributed import init_distributed
-from align_pipeline.train.core.optimizer import build_trainable, peak_memory_gib, train_step
-from align_pipeline.train.core.progress import Progress, RunLog, finish, log
+from align_pipeline.train.core.optimizer import build_trainable, train_step
+from align_pipeline.train.core.progress import log
 from align_pipeline.train.core.schedule import evaluate_loss
 
 
@@ -72,32 +72,23 @@ def preference_loss(lc: PreferenceLossConfig, vocab_size: int, tp_rank: int):
 
 def main(job: DPOJob) -> dict:
     # ---- set-up: process groups, tokenizer, policy + optimizer, data with reference log-probs, checkpoints ----
-    lc, cfg, paths, run_dir = job.dpo.loss, job.dpo.training, job.paths, Path(job.paths.run_dir)
+    lc, cfg, paths = job.dpo.loss, job.dpo.training, job.paths
     dist = init_distributed(job.parallel, cfg.seed)
     logger = RunLogger(rank=dist.rank)
     tok = load_tokenizer(paths.tokenizer)
     source = init.resolve(paths.init_from, job.model, tok.vocab_size)
-    log(dist, f"[dpo] world={dist.world_size} tp={dist.tp_size} pp={dist.pp_size} dp={dist.dp_size} "
-              f"backend={dist.backend} init={source.parent['kind']}:{paths.init_from} loss={lc.name}")
+    log(dist, f"[dpo] {dist.describe()} init={source.parent['kind']}:{paths.init_from} loss={lc.name}")
     policy = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist)
     ref = np.load(paths.reference_logps) if paths.reference_logps else None
-    train, val = load_split_batches(paths.train_data, paths.val_data, cfg.global_batch_size, cfg.micro_batch_size,
-                                    dist, cfg.seed, extra=lambda arrays, split: with_reference(arrays, ref, split))
+    train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist,
+                                    extra=lambda arrays, split: with_reference(arrays, ref, split))
     loss, seq_length = preference_loss(lc, source.vocab_size, dist.tp_rank), source.model.seq_length
     loss_name = "loss" if lc.sft_weight else f"{lc.name}_loss"
     metric_names = [f"{lc.name}_loss", "accuracy", "rewards_chosen", "rewards_rejected", "rewards_margin",
                     "logps_chosen", "logps_rejected"] + (["sft_loss", "loss"] if lc.sft_weight else [])
-    ckpts = Checkpoints({"model": (policy, run_dir)}, dist, total=cfg.train_steps, interval=cfg.save_interval,
-                        keep=cfg.keep_checkpoints, resume=cfg.resume, stop_after=job.stop_after,
-                        meta={"stage": "dpo", "config_hash": config_hash(job)})
-    step, state = ckpts.resume()
-    if state is not None:
-        assert state["consumed_samples"] == step * cfg.global_batch_size, "data position does not match the step"
-        log(dist, f"[dpo] resumed at step {step} from {run_dir}")
-    logger.log_params({"job": to_dict(job), "world_size": dist.world_size, "resumed_from_step": step})
-    progress = Progress(cfg.train_steps, step, dist)
-    runlog = RunLog(dist, logger, progress, cfg.log_interval)
     tokens_per_step = cfg.global_batch_size * seq_length * train.rows_per_sample
+    ckpts = Checkpoints.for_training({"model": (policy, paths.run_dir)}, cfg, job, "dpo", dist)
+    step, runlog = supervised.start("dpo", job, ckpts, cfg, dist, logger)
 
     # ---- the loop: step, validate, log, checkpoint ----
     metrics: dict[str, float] = {}
@@ -105,34 +96,17 @@ def main(job: DPOJob) -> dict:
         t0 = time.perf_counter()
         m = train_step(policy, train.microbatches(step), loss, metric_names, dist, seq_length)
         step += 1
-        progress.add_tokens(tokens_per_step)
-        metrics = {"loss": m.pop(loss_name), **m, "step_time_s": time.perf_counter() - t0,
-                   "tokens_per_s": progress.tokens_per_s()}
-        shown = dict(metrics)
-        if cfg.eval_interval and step % cfg.eval_interval == 0 and step < cfg.train_steps:
-            shown.update(evaluate_loss(policy.model, val, loss, metric_names, loss_name, cfg.eval_samples, dist,
-                                       seq_length))
-        runlog.record(step, shown, {"step": step, "loss": metrics["loss"], "step_time_s": metrics["step_time_s"]},
-                      force="val_loss" in shown)
-        if ckpts.after_step(step, {"step": step, "consumed_samples": step * cfg.global_batch_size}):
-            log(dist, f"[dpo] stopping after {step - ckpts.started_at} steps (stop_after); a rerun resumes at {step}")
-            return finish(dist, logger, run_dir, {"stopped_at_step": step})
+        metrics = supervised.step_metrics(m, loss_name, t0, runlog, tokens_per_step)
+        if supervised.eval_due(step, cfg):
+            metrics.update(evaluate_loss(policy.model, val, loss, metric_names, loss_name, cfg.eval_samples, dist,
+                                         seq_length))
+        supervised.record(runlog, step, metrics)
+        if ckpts.after_step(step, supervised.data_position(step, cfg)):
+            return runlog.stopped(step, paths.run_dir, ckpts.started_at)
 
-    # ---- final validation, checkpoint and export ----
     final = evaluate_loss(policy.model, val, loss, metric_names, loss_name, cfg.eval_samples, dist, seq_length)
-    progress.print(step, {**metrics, **final})
-    logger.log_metrics(final, step)
-    ckpts.save(step, {"step": step, "consumed_samples": step * cfg.global_batch_size})
-    dirs = ckpts.export(step, {
-        "stage": "dpo", "tokenizer": {"path": str(paths.tokenizer), "fingerprint": tok.fingerprint},
-        "saved_with_parallel": to_dict(job.parallel), "metrics": {**final, "train_loss": metrics.get("loss")},
-        "lineage": {**job.lineage, "config_hash": config_hash(job)},
+    return supervised.finish("dpo", job, ckpts, runlog, step, cfg, tok, final, metrics, tokens_per_step, meta={
         "preference_loss": {"name": lc.name, "beta": lc.beta, "sft_weight": lc.sft_weight, **lc.options}})
-    return finish(dist, logger, run_dir, {
-        **dirs, "step": step, **final, "train_loss": metrics.get("loss"), "train_metrics": metrics,
-        "tokens_per_s": metrics.get("tokens_per_s"), "tokens_per_step": tokens_per_step,
-        "peak_memory_gib": peak_memory_gib(), "history": runlog.history})
-
 
 
 if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required

@@ -32,8 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from align_pipeline.config import ModelConfig, PPOConfig, PPOJob, config_hash, to_dict
-from align_pipeline.data.formats import load_jsonl
+from align_pipeline.config import PPOConfig, PPOJob
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from align_pipeline.model import init
@@ -52,12 +51,12 @@ from align_pipeline.rl import (
 )
 from align_pipeline.tracking import RunLogger
 from align_pipeline.train.core import rollout
-from align_pipeline.train.core.batches import PromptStream, split_rows
+from align_pipeline.train.core.batches import split_rows
 from align_pipeline.train.core.checkpointing import Checkpoints
 from align_pipeline.train.core.cli import cli
 from align_pipeline.train.core.distributed import init_distributed
-from align_pipeline.train.core.optimizer import build_frozen, build_trainable, train_step
-from align_pipeline.train.core.progress import Progress, RunLog, finish, log
+from align_pipeline.train.core.optimizer import build_trainable, train_step
+from align_pipeline.train.core.progress import log
 
 POLICY_METRICS = ["policy_loss", "clip_fraction", "approx_kl", "ratio", "entropy"]
 VALUE_METRICS = ["value_loss", "value_clip_fraction"]
@@ -126,18 +125,11 @@ def main(job: PPOJob) -> dict:
     tok = load_tokenizer(paths.tokenizer)
     source = init.resolve(paths.policy, job.model, tok.vocab_size)
     rollout.check_rollout_split("ppo", rl.prompts_per_iteration, gen.samples_per_prompt, rl.minibatches, mbs, dist)
-    log(dist, f"[ppo] world={dist.world_size} tp={dist.tp_size} dp={dist.dp_size} backend={dist.backend} "
-              f"policy={paths.policy} reward_model={paths.reward_model}")
+    log(dist, f"[ppo] {dist.describe()} policy={paths.policy} reward_model={paths.reward_model}")
     total_steps = rl.iterations * rl.steps_per_iteration
     actor = build_trainable(source, job.parallel, cfg.optimizer, total_steps, dist)
-    frozen = ModelConfig(attention_backend=job.model.attention_backend)
-    reference = build_frozen(init.resolve(paths.reference or paths.policy, frozen, 0), job.parallel, dist)
-    rm = pooling = None
-    if paths.reward_model is not None and cfg.reward.reward_model_weight:
-        rm = build_frozen(init.resolve(paths.reward_model, frozen, 0), job.parallel, dist, head="value")
-        pooling = reward_pooling(paths.reward_model)
-    prompts = PromptStream(load_jsonl(paths.prompts), rl.prompts_per_iteration, dist, rl.seed)
-    val_records = load_jsonl(paths.val_prompts)[: rl.eval_prompts] if paths.val_prompts else []
+    reference, rm, pooling = rollout.load_judges(paths, cfg.reward, job.model.attention_backend, job.parallel, dist)
+    prompts, val_records = rollout.load_prompts(paths, rl, dist)
     checker = rollout.load_checker(cfg.reward.checker)
     critic_source = init.resolve(paths.critic or paths.reward_model, job.model, tok.vocab_size)
     critic = build_trainable(critic_source, job.parallel, cfg.critic_optimizer, total_steps, dist, head="value")
@@ -146,18 +138,10 @@ def main(job: PPOJob) -> dict:
               else FixedKLController(cfg.kl.beta))
     offload = rollout.Offload(cfg.offload, dist.device, [reference, rm], [actor.optimizer, critic.optimizer])
     policy_loss, value_loss = actor_loss(cfg, vocab, dist), critic_loss(cfg)
-    ckpts = Checkpoints({"actor": (actor, run_dir / "actor"), "critic": (critic, run_dir / "critic")}, dist,
-                        total=rl.iterations, interval=rl.save_interval, keep=rl.keep_checkpoints, resume=rl.resume,
-                        stop_after=job.stop_after, meta={"stage": "ppo", "config_hash": config_hash(job)})
-    iteration, state = ckpts.resume()
+    ckpts = Checkpoints.for_rl({"actor": (actor, run_dir / "actor"), "critic": (critic, run_dir / "critic")}, rl, job, "ppo", dist)
+    iteration, state, runlog = rollout.start("ppo", job, ckpts, prompts, rl, dist, logger)
     if state is not None:
-        if state["consumed_prompts"] != prompts.consumed(iteration):
-            raise RuntimeError(f"prompt cursor {state['consumed_prompts']} does not match iteration {iteration}")
         kl_ctl.load_state_dict(state["kl_controller"])
-        log(dist, f"[ppo] resumed at iteration {iteration} from {run_dir}")
-    logger.log_params({"job": to_dict(job), "world_size": dist.world_size, "resumed_from_iteration": iteration})
-    runlog = RunLog(dist, logger, Progress(rl.iterations, iteration, dist, unit="iteration", prefix="[ppo] "),
-                    rl.log_interval)
 
     # ---- the loop: rollout -> score -> KL + advantages -> minibatch updates -> log -> checkpoint ----
     m: dict[str, float] = {}
@@ -213,9 +197,7 @@ def main(job: PPOJob) -> dict:
         train_state = {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration),
                        "kl_controller": kl_ctl.state_dict()}
         if ckpts.after_step(iteration, train_state):
-            log(dist, f"[ppo] stopping after {iteration - ckpts.started_at} iterations (stop_after); "
-                      f"a rerun resumes at iteration {iteration}")
-            return finish(dist, logger, run_dir, {"stopped_at_iteration": iteration, "history": runlog.history})
+            return runlog.stopped(iteration, run_dir, ckpts.started_at)
 
     # ---- final validation, checkpoint and export of actor and critic ----
     final = rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, checker)
@@ -225,14 +207,9 @@ def main(job: PPOJob) -> dict:
                            "kl_controller": kl_ctl.state_dict()})
     critic_meta = {"reward_head": {"pooling": reward_pooling(critic_source.parent["path"])}} \
         if critic_source.head == "value" else {}
-    dirs = ckpts.export(iteration, {
-        "stage": "ppo", "tokenizer": {"path": str(paths.tokenizer), "fingerprint": tok.fingerprint},
-        "saved_with_parallel": to_dict(job.parallel),
-        "metrics": {**final, **{k: v for k, v in m.items() if not k.startswith("timing/")}},
-        "lineage": {**job.lineage, "reference": paths.reference or paths.policy, "reward_model": paths.reward_model,
-                    "config_hash": config_hash(job)}}, per_model={"critic": critic_meta})
-    return finish(dist, logger, run_dir, {**dirs, "step": iteration, "iteration": iteration, **final,
-                                          "final": {**m, **final}, "history": runlog.history})
+    dirs = ckpts.export(iteration, rollout.export_meta("ppo", job, tok, final, m), per_model={"critic": critic_meta})
+    return runlog.finish(run_dir, {**dirs, "step": iteration, "iteration": iteration, **final,
+                                   "final": {**m, **final}, "history": runlog.history})
 
 
 if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required

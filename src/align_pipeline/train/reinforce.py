@@ -19,23 +19,21 @@ from pathlib import Path
 
 import torch
 
-from align_pipeline.config import ModelConfig, ReinforceConfig, ReinforceJob, config_hash, to_dict
-from align_pipeline.data.formats import load_jsonl
+from align_pipeline.config import ReinforceConfig, ReinforceJob
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.reinforce import reinforce_loss
 from align_pipeline.model import init
-from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.logprobs import token_nll
 from align_pipeline.model.sequences import run
 from align_pipeline.rl import grpo_advantages, kl_penalty, rloo_advantages
 from align_pipeline.tracking import RunLogger
 from align_pipeline.train.core import rollout
-from align_pipeline.train.core.batches import PromptStream, split_rows
+from align_pipeline.train.core.batches import split_rows
 from align_pipeline.train.core.checkpointing import Checkpoints
 from align_pipeline.train.core.cli import cli
 from align_pipeline.train.core.distributed import init_distributed
-from align_pipeline.train.core.optimizer import build_frozen, build_trainable, train_step
-from align_pipeline.train.core.progress import Progress, RunLog, finish, log
+from align_pipeline.train.core.optimizer import build_trainable, train_step
+from align_pipeline.train.core.progress import log
 
 
 def group_advantages(cfg: ReinforceConfig, scores: torch.Tensor) -> torch.Tensor:
@@ -72,35 +70,19 @@ def main(job: ReinforceJob) -> dict:
     tok = load_tokenizer(paths.tokenizer)
     source = init.resolve(paths.policy, job.model, tok.vocab_size)
     rollout.check_rollout_split("reinforce", rl.prompts_per_iteration, gen.samples_per_prompt, rl.minibatches, mbs, dist)
-    log(dist, f"[reinforce] world={dist.world_size} tp={dist.tp_size} dp={dist.dp_size} backend={dist.backend} "
-              f"policy={paths.policy} reward_model={paths.reward_model}")
+    log(dist, f"[reinforce] {dist.describe()} policy={paths.policy} reward_model={paths.reward_model}")
     total_steps = rl.iterations * rl.steps_per_iteration
     actor = build_trainable(source, job.parallel, cfg.optimizer, total_steps, dist)
-    frozen = ModelConfig(attention_backend=job.model.attention_backend)
-    reference = build_frozen(init.resolve(paths.reference or paths.policy, frozen, 0), job.parallel, dist)
-    rm = pooling = None
-    if paths.reward_model is not None and cfg.reward.reward_model_weight:
-        rm = build_frozen(init.resolve(paths.reward_model, frozen, 0), job.parallel, dist, head="value")
-        pooling = reward_pooling(paths.reward_model)
-    prompts = PromptStream(load_jsonl(paths.prompts), rl.prompts_per_iteration, dist, rl.seed)
-    val_records = load_jsonl(paths.val_prompts)[: rl.eval_prompts] if paths.val_prompts else []
+    reference, rm, pooling = rollout.load_judges(paths, cfg.reward, job.model.attention_backend, job.parallel, dist)
+    prompts, val_records = rollout.load_prompts(paths, rl, dist)
     checker = rollout.load_checker(cfg.reward.checker)
     vocab, seq_length = source.vocab_size, source.model.seq_length
     clipped = rl.steps_per_iteration > 1  # the rollout policy differs from the policy after the first step
     metric_names = ["pg_loss", "kl"] + (["clip_fraction", "ratio"] if clipped else [])
     offload = rollout.Offload(cfg.offload, dist.device, [reference, rm], [actor.optimizer])
     loss = policy_loss(cfg, vocab, dist.tp_rank, clipped)
-    ckpts = Checkpoints({"actor": (actor, run_dir / "actor")}, dist,
-                        total=rl.iterations, interval=rl.save_interval, keep=rl.keep_checkpoints, resume=rl.resume,
-                        stop_after=job.stop_after, meta={"stage": "reinforce", "config_hash": config_hash(job)})
-    iteration, state = ckpts.resume()
-    if state is not None:
-        if state["consumed_prompts"] != prompts.consumed(iteration):
-            raise RuntimeError(f"prompt cursor {state['consumed_prompts']} does not match iteration {iteration}")
-        log(dist, f"[reinforce] resumed at iteration {iteration} from {run_dir}")
-    logger.log_params({"job": to_dict(job), "world_size": dist.world_size, "resumed_from_iteration": iteration})
-    runlog = RunLog(dist, logger, Progress(rl.iterations, iteration, dist, unit="iteration", prefix="[reinforce] "),
-                    rl.log_interval)
+    ckpts = Checkpoints.for_rl({"actor": (actor, run_dir / "actor")}, rl, job, "reinforce", dist)
+    iteration, _, runlog = rollout.start("reinforce", job, ckpts, prompts, rl, dist, logger)
 
     # ---- the loop: rollout -> score -> group advantages -> minibatch updates -> log -> checkpoint ----
     m: dict[str, float] = {}
@@ -148,23 +130,16 @@ def main(job: ReinforceJob) -> dict:
         runlog.record(iteration, m, {"iteration": iteration, **m}, force="val/greedy_accuracy" in m)
         train_state = {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration)}
         if ckpts.after_step(iteration, train_state):
-            log(dist, f"[reinforce] stopping after {iteration - ckpts.started_at} iterations (stop_after); "
-                      f"a rerun resumes at iteration {iteration}")
-            return finish(dist, logger, run_dir, {"stopped_at_iteration": iteration, "history": runlog.history})
+            return runlog.stopped(iteration, run_dir, ckpts.started_at)
 
     # ---- final validation, checkpoint and export of the policy ----
     final = rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, checker)
     logger.log_metrics(final, iteration)
     log(dist, "[reinforce] done: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
     ckpts.save(iteration, {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration)})
-    dirs = ckpts.export(iteration, {
-        "stage": "reinforce", "tokenizer": {"path": str(paths.tokenizer), "fingerprint": tok.fingerprint},
-        "saved_with_parallel": to_dict(job.parallel),
-        "metrics": {**final, **{k: v for k, v in m.items() if not k.startswith("timing/")}},
-        "lineage": {**job.lineage, "reference": paths.reference or paths.policy, "reward_model": paths.reward_model,
-                    "config_hash": config_hash(job)}})
-    return finish(dist, logger, run_dir, {**dirs, "step": iteration, "iteration": iteration, **final,
-                                          "final": {**m, **final}, "history": runlog.history})
+    dirs = ckpts.export(iteration, rollout.export_meta("reinforce", job, tok, final, m))
+    return runlog.finish(run_dir, {**dirs, "step": iteration, "iteration": iteration, **final,
+                                   "final": {**m, **final}, "history": runlog.history})
 
 
 if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required

@@ -13,23 +13,23 @@ regression`` one value per attribute regressed onto the labels present
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from align_pipeline.config import RewardModelConfig, RewardModelJob, config_hash, to_dict
+from align_pipeline.config import RewardModelConfig, RewardModelJob
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.reward import bradley_terry_loss, regression_reward_loss
 from align_pipeline.model import init
 from align_pipeline.model.sequences import pair_batch, run, sequence_rewards
 from align_pipeline.tracking import RunLogger
+from align_pipeline.train.core import supervised
 from align_pipeline.train.core.batches import load_split_batches
 from align_pipeline.train.core.checkpointing import Checkpoints
 from align_pipeline.train.core.cli import cli
 from align_pipeline.train.core.distributed import init_distributed
-from align_pipeline.train.core.optimizer import build_trainable, peak_memory_gib, train_step
-from align_pipeline.train.core.progress import Progress, RunLog, finish, log
+from align_pipeline.train.core.optimizer import build_trainable, train_step
+from align_pipeline.train.core.progress import log
 from align_pipeline.train.core.schedule import evaluate_loss
 
 PAIR_METRICS = ["rm_loss", "accuracy", "reward_chosen", "reward_rejected", "reward_margin"]
@@ -75,70 +75,43 @@ def regression(cfg: RewardModelConfig):
 
 def main(job: RewardModelJob) -> dict:
     # ---- set-up: process groups, tokenizer, model (value head) + optimizer, data, checkpoints ----
-    cfg_rm, paths, run_dir = job.reward_model, job.paths, Path(job.paths.run_dir)
-    cfg = cfg_rm.training
+    section, paths = job.reward_model, job.paths
+    cfg = section.training
     dist = init_distributed(job.parallel, cfg.seed)
     logger = RunLogger(rank=dist.rank)
     tok = load_tokenizer(paths.tokenizer)
     source = init.resolve(paths.init_from, job.model, tok.vocab_size)
-    log(dist, f"[reward_model] world={dist.world_size} tp={dist.tp_size} pp={dist.pp_size} dp={dist.dp_size} "
-              f"backend={dist.backend} init={source.parent['kind']}:{paths.init_from} loss={cfg_rm.loss}")
-    if cfg_rm.loss == "regression":
+    log(dist, f"[reward_model] {dist.describe()} init={source.parent['kind']}:{paths.init_from} loss={section.loss}")
+    if section.loss == "regression":
         num_outputs = np.load(paths.train_data)["reward_labels"].shape[1]
-        loss, metrics_names = regression(cfg_rm), REGRESSION_METRICS
+        loss, metric_names = regression(section), REGRESSION_METRICS
     else:
-        num_outputs, loss, metrics_names = 1, bradley_terry(cfg_rm), PAIR_METRICS
+        num_outputs, loss, metric_names = 1, bradley_terry(section), PAIR_METRICS
     model = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist, head="value",
                             num_outputs=num_outputs)
-    train, val = load_split_batches(paths.train_data, paths.val_data, cfg.global_batch_size, cfg.micro_batch_size,
-                                    dist, cfg.seed)
+    train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist)
     seq_length = source.model.seq_length
-    ckpts = Checkpoints({"model": (model, run_dir)}, dist, total=cfg.train_steps, interval=cfg.save_interval,
-                        keep=cfg.keep_checkpoints, resume=cfg.resume, stop_after=job.stop_after,
-                        meta={"stage": "reward_model", "config_hash": config_hash(job)})
-    step, state = ckpts.resume()
-    if state is not None:
-        assert state["consumed_samples"] == step * cfg.global_batch_size, "data position does not match the step"
-        log(dist, f"[reward_model] resumed at step {step} from {run_dir}")
-    logger.log_params({"job": to_dict(job), "world_size": dist.world_size, "resumed_from_step": step})
-    progress = Progress(cfg.train_steps, step, dist)
-    runlog = RunLog(dist, logger, progress, cfg.log_interval)
     tokens_per_step = cfg.global_batch_size * seq_length * train.rows_per_sample
+    ckpts = Checkpoints.for_training({"model": (model, paths.run_dir)}, cfg, job, "reward_model", dist)
+    step, runlog = supervised.start("reward_model", job, ckpts, cfg, dist, logger)
 
     # ---- the loop: step, validate, log, checkpoint ----
     metrics: dict[str, float] = {}
     while step < cfg.train_steps:
         t0 = time.perf_counter()
-        m = train_step(model, train.microbatches(step), loss, metrics_names, dist, seq_length)
+        m = train_step(model, train.microbatches(step), loss, metric_names, dist, seq_length)
         step += 1
-        progress.add_tokens(tokens_per_step)
-        metrics = {"loss": m.pop("rm_loss"), **m, "step_time_s": time.perf_counter() - t0,
-                   "tokens_per_s": progress.tokens_per_s()}
-        shown = dict(metrics)
-        if cfg.eval_interval and step % cfg.eval_interval == 0 and step < cfg.train_steps:
-            shown.update(evaluate_loss(model.model, val, loss, metrics_names, "rm_loss", cfg.eval_samples, dist,
-                                       seq_length))
-        runlog.record(step, shown, {"step": step, "loss": metrics["loss"], "step_time_s": metrics["step_time_s"]},
-                      force="val_loss" in shown)
-        if ckpts.after_step(step, {"step": step, "consumed_samples": step * cfg.global_batch_size}):
-            log(dist, f"[reward_model] stopping after {step - ckpts.started_at} steps (stop_after); a rerun resumes at {step}")
-            return finish(dist, logger, run_dir, {"stopped_at_step": step})
+        metrics = supervised.step_metrics(m, "rm_loss", t0, runlog, tokens_per_step)
+        if supervised.eval_due(step, cfg):
+            metrics.update(evaluate_loss(model.model, val, loss, metric_names, "rm_loss", cfg.eval_samples, dist,
+                                         seq_length))
+        supervised.record(runlog, step, metrics)
+        if ckpts.after_step(step, supervised.data_position(step, cfg)):
+            return runlog.stopped(step, paths.run_dir, ckpts.started_at)
 
-    # ---- final validation, checkpoint and export ----
-    final = evaluate_loss(model.model, val, loss, metrics_names, "rm_loss", cfg.eval_samples, dist, seq_length)
-    progress.print(step, {**metrics, **final})
-    logger.log_metrics(final, step)
-    ckpts.save(step, {"step": step, "consumed_samples": step * cfg.global_batch_size})
-    dirs = ckpts.export(step, {
-        "stage": "reward_model", "tokenizer": {"path": str(paths.tokenizer), "fingerprint": tok.fingerprint},
-        "saved_with_parallel": to_dict(job.parallel), "metrics": {**final, "train_loss": metrics.get("loss")},
-        "lineage": {**job.lineage, "config_hash": config_hash(job)}},
-        per_model={"model": {"reward_head": {"pooling": cfg_rm.pooling, "loss": cfg_rm.loss}}})
-    return finish(dist, logger, run_dir, {
-        **dirs, "step": step, **final, "train_loss": metrics.get("loss"), "train_metrics": metrics,
-        "tokens_per_s": metrics.get("tokens_per_s"), "tokens_per_step": tokens_per_step,
-        "peak_memory_gib": peak_memory_gib(), "history": runlog.history})
-
+    final = evaluate_loss(model.model, val, loss, metric_names, "rm_loss", cfg.eval_samples, dist, seq_length)
+    return supervised.finish("reward_model", job, ckpts, runlog, step, cfg, tok, final, metrics, tokens_per_step,
+                             meta={"reward_head": {"pooling": section.pooling, "loss": section.loss}})
 
 
 if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required

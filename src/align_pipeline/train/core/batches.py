@@ -13,6 +13,7 @@ import math
 import numpy as np
 import torch
 
+from align_pipeline.config import TrainingConfig
 from align_pipeline.train.core.distributed import Dist
 
 
@@ -113,9 +114,9 @@ class ArrayBatches:
         return {k: torch.from_numpy(np.ascontiguousarray(v[idx])).to(self.dist.device) for k, v in self.arrays.items()}
 
 
-def load_split_batches(train_path: str, val_path: str, global_batch_size: int, micro_batch_size: int, dist: Dist,
-                       seed: int, extra=None) -> tuple[ArrayBatches, ArrayBatches]:
-    """Train (shuffled) and validation (in order) batches of two tokenized .npz files.
+def load_split_batches(train_path: str, val_path: str, cfg: TrainingConfig, dist: Dist,
+                       extra=None) -> tuple[ArrayBatches, ArrayBatches]:
+    """Train (shuffled) and validation (in order) batches of two tokenized .npz files, sized by ``cfg``.
 
     ``extra(arrays, split)`` may add per-sample arrays (e.g. the cached reference log-probs of DPO)."""
     out = []
@@ -123,7 +124,8 @@ def load_split_batches(train_path: str, val_path: str, global_batch_size: int, m
         arrays = dict(np.load(path))
         if extra is not None:
             arrays = extra(arrays, split)
-        out.append(ArrayBatches(arrays, global_batch_size, micro_batch_size, dist, seed=seed, shuffle=split == "train"))
+        out.append(ArrayBatches(arrays, cfg.global_batch_size, cfg.micro_batch_size, dist, seed=cfg.seed,
+                                shuffle=split == "train"))
     return out[0], out[1]
 
 

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from align_pipeline.config import to_dict
+from align_pipeline.config import RLLoopConfig, TrainingConfig, config_hash, to_dict
 from align_pipeline.model import checkpoint
 from align_pipeline.train.core.distributed import Dist
 from align_pipeline.train.core.optimizer import Trainable
@@ -28,12 +28,26 @@ class Checkpoints:
     invocation; ``meta``: recorded in every checkpoint's meta.json (stage, config hash).
     """
 
-    def __init__(self, models: dict[str, tuple[Trainable, Path]], dist: Dist, *, total: int, interval: int,
+    def __init__(self, models: dict[str, tuple[Trainable, str | Path]], dist: Dist, *, total: int, interval: int,
                  keep: int, resume: bool, stop_after: int | None, meta: dict[str, Any]):
         self.models = {name: (t, Path(d)) for name, (t, d) in models.items()}
         self.dist, self.total, self.interval, self.keep = dist, total, interval, keep
         self.resume_enabled, self.stop_after, self.meta = resume, stop_after, meta
         self.started_at = 0
+
+    @classmethod
+    def for_training(cls, models: dict[str, tuple[Trainable, str | Path]], cfg: TrainingConfig, job, stage: str,
+                     dist: Dist) -> Checkpoints:
+        """The checkpoints of a supervised run: interval, retention and resume from ``cfg``, ``job.stop_after``."""
+        return cls(models, dist, total=cfg.train_steps, interval=cfg.save_interval, keep=cfg.keep_checkpoints,
+                   resume=cfg.resume, stop_after=job.stop_after, meta={"stage": stage, "config_hash": config_hash(job)})
+
+    @classmethod
+    def for_rl(cls, models: dict[str, tuple[Trainable, str | Path]], rl: RLLoopConfig, job, stage: str,
+               dist: Dist) -> Checkpoints:
+        """The checkpoints of an RL run: interval, retention and resume from ``rl``, ``job.stop_after``."""
+        return cls(models, dist, total=rl.iterations, interval=rl.save_interval, keep=rl.keep_checkpoints,
+                   resume=rl.resume, stop_after=job.stop_after, meta={"stage": stage, "config_hash": config_hash(job)})
 
     def resume(self) -> tuple[int, dict[str, Any] | None]:
         """Restore every model (weights, optimizer, schedule, RNG) from the newest step all of them have; returns

@@ -50,6 +50,11 @@ class Dist:
         """Rank 0 alone logs."""
         return self.rank == 0
 
+    def describe(self) -> str:
+        """``world=4 tp=2 pp=1 dp=2 backend=gloo`` for a job's first log line."""
+        return (f"world={self.world_size} tp={self.tp_size} pp={self.pp_size} dp={self.dp_size} "
+                f"backend={self.backend}")
+
 
 def init_distributed(parallel: ParallelConfig, seed: int) -> Dist:
     """Initialise torch.distributed from torchrun's environment (or as a single process) and Megatron's groups.

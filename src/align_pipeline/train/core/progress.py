@@ -61,21 +61,14 @@ class Progress:
         log(self.dist, self.line(at, metrics))
 
 
-def finish(dist: Dist, logger, run_dir: str | Path, result: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0 writes ``run_dir/result.json``; every rank closes its tracking and process groups."""
-    if dist.is_logging_rank:
-        (Path(run_dir) / "result.json").write_text(json.dumps(result, indent=2))
-    logger.close()
-    shutdown()
-    return result
-
-
 class RunLog:
-    """Rank 0's record of a run: the progress line, MLflow metrics (+ system metrics) every ``interval`` steps or
-    iterations (and at the last one, and whenever ``force``), and the history kept in result.json."""
+    """Rank 0's record of one run: the progress line, MLflow metrics (+ system metrics) every ``interval`` steps or
+    iterations (and at the last one, and whenever ``force``), the history kept in result.json, and the end of the
+    run (result.json, tracking and process groups closed)."""
 
-    def __init__(self, dist: Dist, logger, progress: Progress, interval: int):
-        self.dist, self.logger, self.progress, self.interval = dist, logger, progress, interval
+    def __init__(self, stage: str, dist: Dist, logger, total: int, start: int, interval: int, unit: str = "step"):
+        self.stage, self.dist, self.logger, self.interval = stage, dist, logger, interval
+        self.progress = Progress(total, start, dist, unit=unit, prefix="" if unit == "step" else f"[{stage}] ")
         self.history: list[dict[str, float]] = []
 
     def record(self, at: int, metrics: dict[str, float], kept: dict[str, float], force: bool = False) -> None:
@@ -85,3 +78,23 @@ class RunLog:
             self.progress.print(at, metrics)
             self.logger.log_metrics(metrics, at)
             self.logger.log_system_metrics(at)
+
+    def stopped(self, at: int, run_dir: str | Path, started_at: int) -> dict[str, Any]:
+        """End an invocation that stops early (``stop_after``): a rerun resumes at ``at``."""
+        unit = "steps" if self.progress.unit == "step" else "iterations"
+        log(self.dist, f"[{self.stage}] stopping after {at - started_at} {unit} (stop_after); a rerun resumes at {at}")
+        key = "stopped_at_step" if self.progress.unit == "step" else "stopped_at_iteration"
+        return self.finish(run_dir, {key: at, "history": self.history})
+
+    def finish(self, run_dir: str | Path, result: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0 writes ``run_dir/result.json``; every rank closes its tracking and process groups."""
+        return finish(self.dist, self.logger, run_dir, result)
+
+
+def finish(dist: Dist, logger, run_dir: str | Path, result: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0 writes ``run_dir/result.json``; every rank closes its tracking and process groups."""
+    if dist.is_logging_rank:
+        (Path(run_dir) / "result.json").write_text(json.dumps(result, indent=2))
+    logger.close()
+    shutdown()
+    return result

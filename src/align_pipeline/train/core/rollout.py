@@ -16,11 +16,16 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from align_pipeline.config import GenerationConfig, RewardConfig
+from align_pipeline.config import GenerationConfig, ModelConfig, RewardConfig, RLLoopConfig, config_hash, to_dict
+from align_pipeline.data.formats import load_jsonl
+from align_pipeline.model import init
+from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.generate import generate
 from align_pipeline.model.sequences import rewards_forward, token_logprobs_forward, token_values_forward
-from align_pipeline.train.core.batches import to_rows
+from align_pipeline.train.core.batches import PromptStream, to_rows
 from align_pipeline.train.core.distributed import Dist
+from align_pipeline.train.core.optimizer import build_frozen
+from align_pipeline.train.core.progress import RunLog, log
 from align_pipeline.train.core.schedule import forward_rows
 
 
@@ -267,3 +272,43 @@ def check_rollout_split(stage: str, prompts_per_iteration: int, samples_per_prom
         raise ValueError(
             f"[{stage}] a rollout of {prompts_per_iteration} prompts x {samples_per_prompt} samples must split over "
             f"DP={dist.dp_size} ranks into {minibatches} minibatches of micro-batches of {micro_batch_size} rows")
+
+
+def load_judges(paths, reward: RewardConfig, attention_backend: str, parallel, dist: Dist):
+    """The frozen models of an RL stage: the KL reference (``paths.reference`` or the policy's start) and, when the
+    reward uses it, the reward model with its pooling; returns (reference, reward model | None, pooling | None)."""
+    run_time = ModelConfig(attention_backend=attention_backend)
+    reference = build_frozen(init.resolve(paths.reference or paths.policy, run_time, 0), parallel, dist)
+    if paths.reward_model is None or not reward.reward_model_weight:
+        return reference, None, None
+    rm = build_frozen(init.resolve(paths.reward_model, run_time, 0), parallel, dist, head="value")
+    return reference, rm, reward_pooling(paths.reward_model)
+
+
+def load_prompts(paths, rl: RLLoopConfig, dist: Dist) -> tuple[PromptStream, list[dict]]:
+    """The training prompt stream and the held-out prompt records used for validation."""
+    stream = PromptStream(load_jsonl(paths.prompts), rl.prompts_per_iteration, dist, rl.seed)
+    return stream, load_jsonl(paths.val_prompts)[: rl.eval_prompts] if paths.val_prompts else []
+
+
+def start(stage: str, job, ckpts, prompts: PromptStream, rl: RLLoopConfig, dist: Dist, logger):
+    """Resume every trained model from the newest common checkpoint (checking the prompt cursor), log the job as
+    MLflow params, open the run log; returns (first iteration to run, the checkpoint's train state or None, log)."""
+    iteration, state = ckpts.resume()
+    if state is not None:
+        if state["consumed_prompts"] != prompts.consumed(iteration):
+            raise RuntimeError(f"prompt cursor {state['consumed_prompts']} does not match iteration {iteration}")
+        log(dist, f"[{stage}] resumed at iteration {iteration} from {job.paths.run_dir}")
+    logger.log_params({"job": to_dict(job), "world_size": dist.world_size, "resumed_from_iteration": iteration})
+    return iteration, state, RunLog(stage, dist, logger, rl.iterations, iteration, rl.log_interval, unit="iteration")
+
+
+def export_meta(stage: str, job, tok, final: dict[str, float], last: dict[str, float]) -> dict:
+    """meta.json fields of an RL stage's exported models: tokenizer, layout, final metrics, lineage (the KL reference
+    and the reward model included)."""
+    paths = job.paths
+    return {"stage": stage, "tokenizer": {"path": str(paths.tokenizer), "fingerprint": tok.fingerprint},
+            "saved_with_parallel": to_dict(job.parallel),
+            "metrics": {**final, **{k: v for k, v in last.items() if not k.startswith("timing/")}},
+            "lineage": {**job.lineage, "reference": paths.reference or paths.policy,
+                        "reward_model": paths.reward_model, "config_hash": config_hash(job)}}

@@ -1,0 +1,68 @@
+"""Pieces of the supervised recipes (SFT, reward model, DPO) that are the same in all three: the start of a run
+(resume + parameters), the per-step record, the data position kept in checkpoints, and the final export. The loop
+itself is written in each recipe."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from align_pipeline.config import TrainingConfig, config_hash, to_dict
+from align_pipeline.train.core.checkpointing import Checkpoints
+from align_pipeline.train.core.distributed import Dist
+from align_pipeline.train.core.optimizer import peak_memory_gib
+from align_pipeline.train.core.progress import RunLog, log
+
+
+def start(stage: str, job, ckpts: Checkpoints, cfg: TrainingConfig, dist: Dist, logger) -> tuple[int, RunLog]:
+    """Resume from the newest complete checkpoint (checking its data position), log the job as MLflow params, and
+    open the run log; returns (first step to run, run log)."""
+    step, state = ckpts.resume()
+    if state is not None:
+        if state["consumed_samples"] != step * cfg.global_batch_size:
+            raise RuntimeError(f"checkpoint data position {state['consumed_samples']} does not match step {step}")
+        log(dist, f"[{stage}] resumed at step {step} from {job.paths.run_dir}")
+    logger.log_params({"job": to_dict(job), "world_size": dist.world_size, "resumed_from_step": step})
+    return step, RunLog(stage, dist, logger, cfg.train_steps, step, cfg.log_interval)
+
+
+def data_position(step: int, cfg: TrainingConfig) -> dict[str, int]:
+    """The train state a checkpoint keeps: the step and the samples consumed (batches are a function of the step)."""
+    return {"step": step, "consumed_samples": step * cfg.global_batch_size}
+
+
+def eval_due(step: int, cfg: TrainingConfig) -> bool:
+    """A validation pass every ``eval_interval`` steps (the last step always gets the final one)."""
+    return bool(cfg.eval_interval) and step % cfg.eval_interval == 0 and step < cfg.train_steps
+
+
+def step_metrics(m: dict[str, float], loss_name: str, t0: float, runlog: RunLog, tokens: int) -> dict[str, float]:
+    """A step's metrics as logged: ``loss`` (= ``loss_name``) first, the rest of the loss's metrics, grad norm, lr,
+    the step's wall time and the tokens/s so far."""
+    runlog.progress.add_tokens(tokens)
+    return {"loss": m[loss_name], **{k: v for k, v in m.items() if k != loss_name},
+            "step_time_s": time.perf_counter() - t0, "tokens_per_s": runlog.progress.tokens_per_s()}
+
+
+def record(runlog: RunLog, step: int, metrics: dict[str, float]) -> None:
+    """Log a step (validation steps always); the history keeps loss and step time."""
+    runlog.record(step, metrics, {"step": step, "loss": metrics["loss"], "step_time_s": metrics["step_time_s"]},
+                  force="val_loss" in metrics)
+
+
+def finish(stage: str, job, ckpts: Checkpoints, runlog: RunLog, step: int, cfg: TrainingConfig, tok,
+           final: dict[str, float], last: dict[str, float], tokens_per_step: int,
+           meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The end of a supervised run: final checkpoint, the model exported with its meta.json (``meta`` adds
+    stage-specific fields), result.json."""
+    runlog.progress.print(step, {**last, **final})
+    runlog.logger.log_metrics(final, step)
+    ckpts.save(step, data_position(step, cfg))
+    dirs = ckpts.export(step, {
+        "stage": stage, "tokenizer": {"path": str(job.paths.tokenizer), "fingerprint": tok.fingerprint},
+        "saved_with_parallel": to_dict(job.parallel), "metrics": {**final, "train_loss": last.get("loss")},
+        "lineage": {**job.lineage, "config_hash": config_hash(job)}, **(meta or {})})
+    return runlog.finish(job.paths.run_dir, {
+        **dirs, "step": step, **final, "train_loss": last.get("loss"), "train_metrics": last,
+        "tokens_per_s": last.get("tokens_per_s"), "tokens_per_step": tokens_per_step,
+        "peak_memory_gib": peak_memory_gib(), "history": runlog.history})
