@@ -184,7 +184,7 @@ def test_reinforce_clipped_form_matches_ppo_policy_loss():
     assert m["ratio"].item() == approx(pm["ratio"].item())
 
 
-def test_reinforce_kl_coef_needs_reference():
+def test_reinforce_beta_needs_reference():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="needs ref_logp"):
         reinforce_loss(x, torch.zeros(1), x, beta=0.1)
