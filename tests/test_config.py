@@ -57,6 +57,8 @@ def test_missing_required_key_and_cross_field_checks():
         from_dict(ReinforceConfig, {"generation": {"samples_per_prompt": 4}, "kl": {"adaptive": True}})
     with pytest.raises(ConfigError, match="min_lr"):
         from_dict(PPOConfig, {"optimizer": {"lr": 1e-4, "min_lr": 1e-3}})
+    with pytest.raises(ConfigError, match=r"critic_warmup_iterations must be in \[0, rl.iterations = 10\), got 10"):
+        from_dict(PPOConfig, {"rl": {"iterations": 10}, "critic_warmup_iterations": 10})
 
 
 def test_a_job_round_trips_through_json():

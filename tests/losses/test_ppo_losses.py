@@ -113,6 +113,20 @@ def test_value_loss_clipping():
     close(values.grad, [[0.0, -0.4, -1.0, 0.0]])
 
 
+def test_value_loss_without_clipping():
+    # clip_eps None, same tensors: ½·(0 + 0.16 + 1.0) = 0.58; grads V - R̂ = 0, -0.4, -1.0; nothing counts as clipped
+    values = torch.tensor([[1.0, 0.6, 0.0, NAN]], requires_grad=True)
+    old = torch.tensor([[0.5, 0.5, 0.5, NAN]])
+    ret = torch.tensor([[1.0, 1.0, 1.0, 1e9]])
+    loss, count, m = ppo_value_loss(values, old, ret, torch.tensor([[1, 1, 1, 0]]), clip_eps=None)
+    assert loss.item() == approx(0.58) and count.item() == 3
+    assert m["value_clip_fraction"].item() == 0
+    loss.backward()
+    close(values.grad, [[0.0, -0.4, -1.0, 0.0]])
+    with pytest.raises(ValueError, match="clip_eps must be None or a finite number > 0"):
+        ppo_value_loss(values, old, ret, torch.tensor([[1, 1, 1, 0]]), clip_eps=0.0)
+
+
 # ------------------------------------------------------------------------------------------------ entropy
 
 

@@ -1,9 +1,8 @@
 """The embedded default end to end (`kedro run`): data_prep -> sft -> reward_model -> dpo, ppo, reinforce -> evaluation.
 
 Real Megatron-core jobs on CPU with the shipped config, through a KedroSession on a temp copy of the project. The
-thresholds were measured over several seeds (see the closing note of the issue that introduced them and
-docs/benchmarks.md): RM held-out accuracy and DPO-over-SFT verifiable accuracy, each with a margin below the lowest
-seed.
+thresholds were measured over four seed sets (docs/benchmarks.md): RM held-out accuracy and each policy's verifiable
+accuracy over SFT, each with a margin below the lowest seed.
 """
 
 from __future__ import annotations
@@ -15,13 +14,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the whole default run happens in the first test
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the whole default run happens in the first test
 
-RM_ACCURACY_MIN = 0.56        # lowest seed 0.620; chance is 0.5
-# Policy accuracy - SFT accuracy (sampled, T=1) on the held-out prompts, each margin below its lowest seed.
-DPO_OVER_SFT_MIN = 0.03       # lowest seed 0.078
-PPO_OVER_SFT_MIN = 0.12       # lowest seed 0.204 (seeds 0-3: 0.250, 0.301, 0.307, 0.204)
-REINFORCE_OVER_SFT_MIN = 0.15  # lowest seed 0.254 (seeds 0-3: 0.284, 0.314, 0.364, 0.254)
+# Measured over four seed sets (0 = the shipped config, 1-3 = every stage's seeds moved; benchmarks/default_run.py,
+# docs/benchmarks.md), each threshold below the lowest seed.
+RM_ACCURACY_MIN = 0.56         # seeds 0-3: 0.645, 0.760, 0.650, 0.635; chance is 0.5
+# Policy accuracy - SFT accuracy (sampled, T=1) on the held-out prompts.
+DPO_OVER_SFT_MIN = 0.03        # seeds 0-3: +0.084, +0.225, +0.138, +0.141
+PPO_OVER_SFT_MIN = 0.02        # seeds 0-3: +0.043, +0.136, +0.053, +0.081
+REINFORCE_OVER_SFT_MIN = 0.10  # seeds 0-3: +0.153, +0.312, +0.226, +0.215
 
 
 @pytest.fixture(scope="module")

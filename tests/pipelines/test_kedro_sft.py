@@ -104,7 +104,7 @@ TINY_RL = {"rl": {"iterations": 3, "prompts_per_iteration": 8, "epochs": 1, "min
 
 
 def _fast_flows(project: Path) -> None:
-    fast = {**FAST, "reward_model": TINY_STAGE, "dpo": TINY_STAGE, "ppo": TINY_RL,
+    fast = {**FAST, "reward_model": TINY_STAGE, "dpo": TINY_STAGE, "ppo": {**TINY_RL, "critic_warmup_iterations": 1},
             "reinforce": {**TINY_RL, "generation": {"max_new_tokens": 8, "samples_per_prompt": 4}},
             "evaluation": {"generation": {"samples_per_prompt": 1, "max_new_tokens": 8}, "greedy": False}}
     (project / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(fast))

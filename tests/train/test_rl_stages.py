@@ -4,6 +4,7 @@ against TP=1, and resume equality. Models: a tiny SFT policy and a reward model 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -59,12 +60,13 @@ def _rl_paths(models, run_dir: Path, **extra) -> dict:
 
 
 def ppo_job(models, run_dir: Path, iterations: int = 2, parallel: ParallelConfig | None = None,
-            stop_after: int | None = None) -> PPOJob:
+            stop_after: int | None = None, critic_warmup: int = 0) -> PPOJob:
     section = PPOConfig(
         **_rl_section(iterations),
         reward=RewardConfig(reward_model_weight=1.0, checker_weight=1.0, missing_eos_penalty=0.5),
         kl=KLConfig(beta=0.1, adaptive=True, target=0.5, horizon=100.0),
-        loss=PPOLossConfig(entropy_coef=0.01), critic_optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0),
+        loss=PPOLossConfig(entropy_coef=0.01, value_clip_eps=None if critic_warmup else 0.2),
+        critic_optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0), critic_warmup_iterations=critic_warmup,
     )
     return PPOJob(ppo=section, model=TINY_MODEL, parallel=parallel or ParallelConfig(),
                   paths=PPOPaths(**_rl_paths(models, run_dir, reward_model=models["rm"])), stop_after=stop_after)
@@ -155,8 +157,14 @@ def test_ppo_tensor_parallel_matches_one_rank(models, tmp_path):
 
 @pytest.mark.parametrize("module", ["ppo", "reinforce"])
 def test_resume_after_interruption_continues_with_identical_metrics(models, tmp_path, module):
-    make = ppo_job if module == "ppo" else reinforce_job
+    """PPO with one critic warm-up iteration (unclipped value loss): the stop falls where the actor starts training."""
+    make = functools.partial(ppo_job, critic_warmup=1) if module == "ppo" else reinforce_job
     full = run(module, make(models, tmp_path / "full", iterations=3))
+    if module == "ppo":  # warm-up: the critic trains, the actor does not; then both
+        assert "train/policy_loss" not in full["history"][0] and "critic/value_loss" in full["history"][0]
+        assert "train/policy_loss" in full["history"][1]
+        assert full["history"][1]["rollout/init_policy_kl"] == pytest.approx(0.0, abs=1e-5)  # the actor is unchanged
+        assert full["history"][2]["rollout/init_policy_kl"] > 0
     stopped = run(module, make(models, tmp_path / "resumed", iterations=3, stop_after=1))
     assert stopped["stopped_at_iteration"] == 1
     resumed = run(module, make(models, tmp_path / "resumed", iterations=3))

@@ -15,8 +15,9 @@ class PPOLossConfig:
 
     clip_eps: float = 0.2
     """Ratio clip epsilon of the policy loss."""
-    value_clip_eps: float = 0.2
-    """How far (in reward units) the value may move from its rollout estimate before clipping."""
+    value_clip_eps: float | None = 0.2
+    """How far (in reward units) the value may move from its rollout estimate before clipping; None = the plain
+    squared error."""
     gamma: float = 1.0
     """GAE discount."""
     lam: float = 0.95
@@ -35,6 +36,16 @@ class PPOConfig(RLConfig):
     """Clipping, GAE, entropy bonus, whitening."""
     critic_optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The critic's optimizer and schedule."""
+    critic_warmup_iterations: int = 0
+    """First iterations in which only the critic trains and the actor is left as it is. A critic started from the
+    reward model predicts reward-model scores, not this reward's returns, so its first advantages are noise that
+    pushes the actor away from the SFT policy (NeMo-Aligner's ``critic_warmup_steps``, OpenRLHF's
+    ``freezing_actor_steps``). The actor's schedule covers the remaining iterations."""
+
+    def validate(self) -> None:
+        if not 0 <= self.critic_warmup_iterations < self.rl.iterations:
+            raise ConfigError(f"ppo: critic_warmup_iterations must be in [0, rl.iterations = {self.rl.iterations}), "
+                              f"got {self.critic_warmup_iterations}")
 
 
 @dataclass(kw_only=True)

@@ -86,7 +86,7 @@ def ppo_value_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     mask: torch.Tensor,
-    clip_eps: float,
+    clip_eps: float | None,
 ) -> LossOutput:
     """Clipped value loss (the L^VF of PPO eq. 9 with OpenAI baselines' ``ppo2`` / NeMo-Aligner's clipping), per token.
 
@@ -103,20 +103,20 @@ def ppo_value_loss(
       old_values: [B, T], V(s_t) at rollout time (used by GAE).
       returns: [B, T], targets R̂ (e.g. GAE returns, un-whitened).
       mask: [B, T], 1 on response tokens.
-      clip_eps: ε > 0.
+      clip_eps: ε > 0, or None for the plain squared error ½ (V - R̂)² (no clipping).
 
     Returns ``(loss_sum, count = response tokens, metrics)``; metrics: ``value_loss`` (= loss_sum),
     ``value_clip_fraction`` (1 where the clipped error is strictly larger).
     """
     check_tokens("ppo_value_loss", values=values, old_values=old_values, returns=returns, mask=mask)
-    if not (math.isfinite(clip_eps) and clip_eps > 0):
-        raise ValueError(f"ppo_value_loss: clip_eps must be a finite number > 0, got {clip_eps}")
+    if clip_eps is not None and not (math.isfinite(clip_eps) and clip_eps > 0):
+        raise ValueError(f"ppo_value_loss: clip_eps must be None or a finite number > 0, got {clip_eps}")
     m = mask.bool()  # [B, T]
     dtype = float_dtype(values)
     v = fill(values, m, dtype)  # [B, T]
     v_old, ret = fill(old_values.detach(), m, dtype), fill(returns.detach(), m, dtype)  # [B, T]
-    v_clipped = v_old + (v - v_old).clamp(-clip_eps, clip_eps)  # [B, T]
-    err, err_clipped = (v - ret) ** 2, (v_clipped - ret) ** 2  # [B, T]
+    err = (v - ret) ** 2  # [B, T]
+    err_clipped = err if clip_eps is None else (v_old + (v - v_old).clamp(-clip_eps, clip_eps) - ret) ** 2
     losses = 0.5 * torch.maximum(err, err_clipped)  # [B, T]
     loss_sum = masked_sum(losses, m)  # []
     with torch.no_grad():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from align_pipeline.data.formats import CHECKPOINT_META as META_FILE
 from align_pipeline.data.formats import checkpoint_meta as read_meta
@@ -94,12 +96,26 @@ def _barrier() -> None:
         tdist.barrier()
 
 
+def _fork_started_results_queue() -> None:
+    """Megatron's torch_dist saver collects its writer processes' results through a ``multiprocessing`` Manager queue
+    that it starts with *spawn* the first time a process saves: the manager re-imports the entry point (torch +
+    Megatron: 4-8 s on 2 CPU cores, per stage) before the first checkpoint can be written. A manager started by *fork*
+    serves the same queue in ~0.1 s; it runs no CUDA (Megatron forks its writer processes the same way)."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
+def _save(state: dict[str, Any], directory: Path) -> None:
+    _fork_started_results_queue()
+    dist_checkpointing.save(state, str(directory))
+
+
 def save_model(path: str | os.PathLike, model, meta: dict[str, Any]) -> Path:
     """Save model weights (sharded, any parallel layout) with ``meta`` as ``meta.json``."""
     meta = {"format": FORMAT_VERSION, "kind": "model", **meta}
 
     def write(tmp: Path) -> None:
-        dist_checkpointing.save(_unwrap(model).sharded_state_dict(), str(tmp))
+        _save(_unwrap(model).sharded_state_dict(), tmp)
 
     return _atomic_dir_write(Path(path), write, meta)
 
@@ -156,6 +172,8 @@ def save_training(
     world = tdist.get_world_size() if tdist.is_initialized() else 1
     meta = {"format": FORMAT_VERSION, "kind": "training", "step": step, "world_size": world, **meta}
 
+    _init_unstepped_optimizer_states(optimizer)
+
     def write(tmp: Path) -> None:
         model_sd = inner.sharded_state_dict()
         state = {
@@ -164,7 +182,7 @@ def save_training(
             "scheduler": scheduler.state_dict(),
             "train_state": train_state,
         }
-        dist_checkpointing.save(state, str(tmp))
+        _save(state, tmp)
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
 
@@ -184,6 +202,7 @@ def load_training(path: str | os.PathLike, model, optimizer, scheduler) -> dict[
     }
     state = dist_checkpointing.load(sharded, str(path))
     inner.load_state_dict(state["model"], strict=True)
+    _zero_step_where_missing(state["optimizer"])
     with _tolerate_missing_adam_step(optimizer):
         optimizer.load_state_dict(state["optimizer"])
     _unshare_adam_steps(optimizer)
@@ -217,6 +236,41 @@ def _tolerate_missing_adam_step(optimizer):
     finally:
         for opt in patched:
             del opt._set_main_param_and_optimizer_states  # back to the class method
+
+
+def _init_unstepped_optimizer_states(optimizer) -> None:
+    """An optimizer that has not stepped yet (PPO's actor during the critic warm-up) has no AdamW state, so its
+    checkpoint would lack the moments a resume loads. Give it the state AdamW's first step creates (step 0, zero
+    moments): the step after a resume does the same arithmetic as an uninterrupted first step."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner.state:
+            continue
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                      "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        elif getattr(opt, "init_state_fn", None) is not None:  # Megatron's own (TE/Apex Adam keep step per group)
+            opt.init_state_fn(inner, opt.config)
+
+
+def _zero_step_where_missing(state: Any) -> None:
+    """Megatron saves the AdamW ``step`` shared by all parameters only when it is non-zero, so the checkpoint of an
+    optimizer saved before its first step (see :func:`_init_unstepped_optimizer_states`) has moments but no step;
+    torch's AdamW refuses such a state. Restore step 0 there."""
+    if isinstance(state, dict):
+        per_param = state.get("state")
+        if isinstance(per_param, dict) and "param_groups" in state and "common_step" not in per_param:
+            for param_state in per_param.values():
+                if isinstance(param_state, dict) and "exp_avg" in param_state and "step" not in param_state:
+                    param_state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for value in state.values():
+            _zero_step_where_missing(value)
+    elif isinstance(state, list | tuple):
+        for value in state:
+            _zero_step_where_missing(value)
 
 
 def _init_empty_optimizer_states(optimizer) -> None:

@@ -109,5 +109,5 @@ def main(job: DPOJob) -> dict:
         "preference_loss": {"name": lc.name, "beta": lc.beta, "sft_weight": lc.sft_weight, **lc.options}})
 
 
-if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required
+if __name__ == "__main__":  # torchrun runs the module; importing it (tests, spawned helpers) runs nothing
     cli(DPOJob, main, __doc__)

@@ -14,7 +14,8 @@ Each iteration (Ouyang et al. 2022 / Ziegler et al. 2019, as NeMo-Aligner and TR
    (gamma, lambda), advantages whitened over the whole rollout (moments all-reduced over DP). The KL controller then
    updates with the mean per-sequence KL.
 4. **Update.** ``epochs`` passes over the rollout in a seeded order, ``minibatches`` optimizer steps each: the actor
-   on the clipped policy loss (+ entropy bonus), then the critic on the clipped value loss.
+   on the clipped policy loss (+ entropy bonus), then the critic on the (clipped) value loss. For the first
+   ``critic_warmup_iterations`` only the critic trains.
 5. **Log and checkpoint.** Per-iteration metrics to MLflow; checkpoints hold actor and critic with their optimizers,
    the KL controller and the prompt cursor (= the iteration) and RNG.
 
@@ -127,7 +128,9 @@ def main(job: PPOJob) -> dict:
     rollout.check_rollout_split("ppo", rl.prompts_per_iteration, gen.samples_per_prompt, rl.minibatches, mbs, dist)
     log(dist, f"[ppo] {dist.describe()} policy={paths.policy} reward_model={paths.reward_model}")
     total_steps = rl.iterations * rl.steps_per_iteration
-    actor = build_trainable(source, job.parallel, cfg.optimizer, total_steps, dist)
+    warmup = cfg.critic_warmup_iterations  # the actor waits while the critic learns this reward's returns
+    actor = build_trainable(source, job.parallel, cfg.optimizer, (rl.iterations - warmup) * rl.steps_per_iteration,
+                            dist)
     reference, rm, pooling = rollout.load_judges(paths, cfg.reward, job.model.attention_backend, job.parallel, dist)
     prompts, val_records = rollout.load_prompts(paths, rl, dist)
     checker = rollout.load_checker(cfg.reward.checker)
@@ -174,22 +177,27 @@ def main(job: PPOJob) -> dict:
         stats.add("rollout/values", values, mask)
         m = {**stats.reduce(), "rollout/kl_beta": beta}
         kl_ctl.update(m["rollout/init_policy_kl"], n_steps=rl.prompts_per_iteration * gen.samples_per_prompt)
-        # 4. epochs x minibatches: the actor's steps, then the critic's, over the same seeded order
+        # 4. epochs x minibatches: the actor's steps (after the critic's warm-up), then the critic's, over the same
+        #    seeded order
         rows = {**r.rows, "old_logp": old_logp, "advantages": advantages, "old_values": values, "returns": returns}
         actor_steps, critic_steps = [], []
+        train_actor = iteration >= warmup
         with timings("timing/train_s"):
             for epoch in range(rl.epochs):
                 order = rollout.minibatch_order(rl.seed, iteration, epoch, r.n, dist.device)
-                actor_steps += [train_step(actor, split_rows(rows, mbs, chunk), policy_loss, POLICY_METRICS, dist,
-                                           seq_length) for chunk in order.chunk(rl.minibatches)]
+                if train_actor:
+                    actor_steps += [train_step(actor, split_rows(rows, mbs, chunk), policy_loss, POLICY_METRICS,
+                                               dist, seq_length) for chunk in order.chunk(rl.minibatches)]
                 critic_steps += [train_step(critic, split_rows(rows, mbs, chunk), value_loss, VALUE_METRICS, dist,
                                             seq_length) for chunk in order.chunk(rl.minibatches)]
         iteration += 1
         # 5. log, validate, checkpoint
-        m.update(rollout.mean_metrics(actor_steps, "train"))
+        if actor_steps:
+            m.update(rollout.mean_metrics(actor_steps, "train"))
         m.update(rollout.mean_metrics(critic_steps, "critic"))
         m.update(timings)
-        m.update(rollout.throughput(r, timings, trained_rows=2 * rl.epochs * r.n, seq_length=seq_length, dist=dist))
+        trained_rows = (2 if train_actor else 1) * rl.epochs * r.n  # actor + critic rows
+        m.update(rollout.throughput(r, timings, trained_rows=trained_rows, seq_length=seq_length, dist=dist))
         m["timing/iteration_s"] = time.perf_counter() - t0
         if rl.eval_interval and iteration % rl.eval_interval == 0 and iteration < rl.iterations:
             m.update(rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, checker))
@@ -212,5 +220,5 @@ def main(job: PPOJob) -> dict:
                                    "final": {**m, **final}, "history": runlog.history})
 
 
-if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required
+if __name__ == "__main__":  # torchrun runs the module; importing it (tests, spawned helpers) runs nothing
     cli(PPOJob, main, __doc__)

@@ -142,5 +142,5 @@ def main(job: ReinforceJob) -> dict:
                                    "final": {**m, **final}, "history": runlog.history})
 
 
-if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required
+if __name__ == "__main__":  # torchrun runs the module; importing it (tests, spawned helpers) runs nothing
     cli(ReinforceJob, main, __doc__)

@@ -114,5 +114,5 @@ def main(job: RewardModelJob) -> dict:
                              meta={"reward_head": {"pooling": section.pooling, "loss": section.loss}})
 
 
-if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required
+if __name__ == "__main__":  # torchrun runs the module; importing it (tests, spawned helpers) runs nothing
     cli(RewardModelJob, main, __doc__)

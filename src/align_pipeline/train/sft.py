@@ -78,5 +78,5 @@ def main(job: SFTJob) -> dict:
     return supervised.finish("sft", job, ckpts, runlog, step, cfg, tok, final, metrics, tokens_per_step)
 
 
-if __name__ == "__main__":  # the torch_dist checkpoint saver spawns processes: the guard is required
+if __name__ == "__main__":  # torchrun runs the module; importing it (tests, spawned helpers) runs nothing
     cli(SFTJob, main, __doc__)

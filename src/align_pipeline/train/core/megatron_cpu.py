@@ -23,9 +23,10 @@ pinned 0.16.x guards it with ``try/except``; a placeholder module would mislead 
 
 Set ``ALIGN_MEGATRON_CPU_TRACE=1`` to count the call sites that hit a redirection (see :func:`call_sites`).
 
-Traps this module does not hide (handled where they occur): the torch_dist checkpoint saver needs an
-``if __name__ == "__main__":`` guard in the entry point, and the distributed optimizer's restored AdamW state shares one
-``step`` tensor across parameters (``model.checkpoint`` un-shares it).
+Traps this module does not hide (handled where they occur, in ``model.checkpoint``): the torch_dist checkpoint saver
+starts its results queue's manager with *spawn*, which re-imports the entry point (slow, and a deadlock without an
+``if __name__ == "__main__":`` guard) — the queue is started by fork instead; and the distributed optimizer's restored
+AdamW state shares one ``step`` tensor across parameters (un-shared after every restore).
 """
 
 from __future__ import annotations
