@@ -137,9 +137,11 @@ def load_model(path: str | os.PathLike, model) -> dict[str, Any]:
 
 
 def _rng_state() -> dict[str, Any]:
+    """This rank's RNG states as tensors and plain Python values (loadable with ``torch.load(weights_only=True)``)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
@@ -150,7 +152,8 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -211,7 +214,7 @@ def load_training(path: str | os.PathLike, model, optimizer, scheduler) -> dict[
     rng_file = path / "rng" / f"rank_{rank:05d}.pt"
     world = tdist.get_world_size() if tdist.is_initialized() else 1
     if meta.get("world_size") == world and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(torch.load(rng_file, weights_only=True))
     return state["train_state"]
 
 
