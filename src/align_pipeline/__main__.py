@@ -1,14 +1,55 @@
-"""``python -m align_pipeline`` = ``kedro run`` for this project."""
+"""``align-pipeline`` / ``python -m align_pipeline``: ``kedro run`` for this project, plus commands for users outside
+Kedro.
+
+    align-pipeline [kedro run options]                       # the pipeline, as `kedro run`
+    align-pipeline export CHECKPOINT_DIR HF_DIR [--tokenizer DIR] [--dtype float32|bfloat16|float16]
+"""
 
 import os
 import sys
 from pathlib import Path
 
-from kedro.framework.cli.utils import find_run_command
-from kedro.framework.project import configure_project
+COMMANDS = ("export",)
+
+
+def export_command(argv: list[str]) -> int:
+    """``export``: a policy checkpoint -> an HF model directory (see :mod:`align_pipeline.model.hf_export`)."""
+    import argparse
+    import json
+    import time
+
+    parser = argparse.ArgumentParser(prog="align-pipeline export",
+                                     description="Write a policy checkpoint (a stage's model artifact, any TP/PP "
+                                     "layout) as a Hugging Face model directory that transformers and vLLM load.")
+    parser.add_argument("checkpoint", help="model checkpoint directory (with meta.json), e.g. "
+                        "data/06_models/dpo_policy/<version>/dpo_policy")
+    parser.add_argument("hf_dir", help="output directory (must not exist)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory to include (default: the one recorded in the checkpoint)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-shard-gb", type=float, default=2.0, help="size of one safetensors file")
+    args = parser.parse_args(argv)
+
+    from align_pipeline.model.hf_export import HFExportError, export_hf
+
+    t0 = time.perf_counter()
+    try:
+        summary = export_hf(args.checkpoint, args.hf_dir, tokenizer=args.tokenizer, dtype=args.dtype,
+                            max_shard_bytes=int(args.max_shard_gb * 1024**3))
+    except (HFExportError, FileNotFoundError) as exc:
+        print(f"align-pipeline export: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({**summary, "seconds": round(time.perf_counter() - t0, 2)}))
+    return 0
 
 
 def main(*args, **kwargs):
+    if not args and len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
+        sys.exit({"export": export_command}[sys.argv[1]](sys.argv[2:]))
+
+    from kedro.framework.cli.utils import find_run_command
+    from kedro.framework.project import configure_project
+
     os.environ.setdefault("KEDRO_DISABLE_TELEMETRY", "true")
     package_name = Path(__file__).parent.name
     configure_project(package_name)
