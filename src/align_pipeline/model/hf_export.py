@@ -124,6 +124,9 @@ def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int) -> 
                 return one(name)
         raise HFExportError(f"{ckpt.path}: none of {list(names)} is in the checkpoint")
 
+    def weight_and_bias(module: str) -> list[str]:
+        return [f"{module}.weight"] + ([f"{module}.bias"] if ckpt.has(f"{module}.bias") else [])
+
     def per_layer(hf_name: str, stacked: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         if stacked.shape[0] != layers:
             raise HFExportError(f"{ckpt.path}: {hf_name} holds {stacked.shape[0]} layers, expected {layers}")
@@ -133,10 +136,8 @@ def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int) -> 
     yield "model.embed_tokens.weight", one("embedding.word_embeddings.weight")[:vocab_size].contiguous()
     yield from per_layer("input_layernorm.weight", first("decoder.layers.self_attention.linear_qkv.layer_norm_weight",
                                                          "decoder.layers.input_layernorm.weight"))
-    for suffix in ("weight", "bias"):
-        name = f"decoder.layers.self_attention.linear_qkv.{suffix}"
-        if suffix == "bias" and not ckpt.has(name):
-            continue
+    for name in weight_and_bias("decoder.layers.self_attention.linear_qkv"):
+        suffix = name.rsplit(".", 1)[1]
         fused = one(name)  # [L, groups * (heads/groups + 2) * head_dim, (hidden)]
         rest = fused.shape[2:]
         per_group = fused.reshape(layers, groups, (heads // groups + 2) * head_dim, *rest)
@@ -149,10 +150,8 @@ def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int) -> 
         yield from per_layer("self_attn.o_proj.bias", one("decoder.layers.self_attention.linear_proj.bias"))
     yield from per_layer("post_attention_layernorm.weight", first("decoder.layers.mlp.linear_fc1.layer_norm_weight",
                                                                   "decoder.layers.pre_mlp_layernorm.weight"))
-    for suffix in ("weight", "bias"):
-        name = f"decoder.layers.mlp.linear_fc1.{suffix}"
-        if suffix == "bias" and not ckpt.has(name):
-            continue
+    for name in weight_and_bias("decoder.layers.mlp.linear_fc1"):
+        suffix = name.rsplit(".", 1)[1]
         gate, up = one(name).chunk(2, dim=1)  # [L, 2 * ffn, (hidden)] = [gate; up]
         yield from per_layer(f"mlp.gate_proj.{suffix}", gate)
         yield from per_layer(f"mlp.up_proj.{suffix}", up)
