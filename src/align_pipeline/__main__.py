@@ -2,7 +2,7 @@
 Kedro.
 
     align-pipeline [kedro run options]                       # the pipeline, as `kedro run`
-    align-pipeline export CHECKPOINT_DIR HF_DIR [--tokenizer DIR] [--dtype float32|bfloat16|float16]
+    align-pipeline export CHECKPOINT_DIR HF_DIR [--tokenizer DIR] [--dtype float32|bfloat16|float16] [--check]
 """
 
 import os
@@ -28,9 +28,14 @@ def export_command(argv: list[str]) -> int:
                         help="tokenizer directory to include (default: the one recorded in the checkpoint)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-shard-gb", type=float, default=2.0, help="size of one safetensors file")
+    parser.add_argument("--check", action="store_true",
+                        help="run the checkpoint (Megatron) and the export (transformers) on the same fixed tokens, "
+                        "print max |dlogit| and exit 1 above --tol")
+    parser.add_argument("--tol", type=float, default=None,
+                        help="--check tolerance (default 1e-4 for a float32 export, 5e-2 for bfloat16/float16)")
     args = parser.parse_args(argv)
 
-    from align_pipeline.model.hf_export import HFExportError, export_hf
+    from align_pipeline.model.hf_export import HFExportError, check_parity, export_hf
 
     t0 = time.perf_counter()
     try:
@@ -39,7 +44,18 @@ def export_command(argv: list[str]) -> int:
     except (HFExportError, FileNotFoundError) as exc:
         print(f"align-pipeline export: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({**summary, "seconds": round(time.perf_counter() - t0, 2)}))
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    if args.check:
+        import tempfile
+
+        tol = args.tol if args.tol is not None else (1e-4 if args.dtype == "float32" else 5e-2)
+        with tempfile.TemporaryDirectory(prefix="export-check-") as work:
+            summary["max_abs_logit_diff"] = check_parity(args.checkpoint, args.hf_dir, work)
+        summary["tolerance"] = tol
+        print(json.dumps(summary))
+        print(f"max |dlogit| = {summary['max_abs_logit_diff']:.3g} (tolerance {tol:g})", file=sys.stderr)
+        return 0 if summary["max_abs_logit_diff"] <= tol else 1
+    print(json.dumps(summary))
     return 0
 
 

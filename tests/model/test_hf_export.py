@@ -116,6 +116,18 @@ def test_cli_export(trained, tiny_models):
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["family"] == "qwen2" and summary["out_dir"] == str(out) and summary["files"] == 1
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # --check: Megatron (torchrun, one rank) vs transformers on fixed tokens; fp32 must agree to 1e-4
+    checked = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["llama"],
+                              str(root / "hf_checked"), "--check"], capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stderr
+    summary = json.loads(checked.stdout.strip().splitlines()[-1])
+    assert summary["max_abs_logit_diff"] <= 1e-4 == summary["tolerance"]
+    assert "max |dlogit| = " in checked.stderr
+    strict = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["llama"],
+                             str(root / "hf_bf16_checked"), "--dtype", "bfloat16", "--check", "--tol", "1e-9"],
+                            capture_output=True, text=True, check=False)
+    assert strict.returncode == 1, strict.stderr  # bf16 weights cannot match fp32 logits to 1e-9
+    assert json.loads(strict.stdout.strip().splitlines()[-1])["max_abs_logit_diff"] > 1e-9
     refused = subprocess.run([sys.executable, "-m", "align_pipeline", "export", tiny_models["rm"], str(root / "no")],
                              capture_output=True, text=True, check=False)
     assert refused.returncode == 2 and "not supported yet" in refused.stderr and not (root / "no").exists()

@@ -17,6 +17,9 @@ vocabulary is the checkpoint's real one (``meta.json`` ``vocab_size``): Megatron
 HF logits equal the Megatron logits over the real tokens.
 
 Reward models and critics (value heads) are refused: their HF form (``*ForSequenceClassification``) is not written yet.
+
+:func:`check_parity` runs the checkpoint in Megatron (a one-rank torchrun job of :mod:`align_pipeline.model.logits_job`)
+and the export in ``transformers`` on the same fixed tokens and returns ``max |Δlogit|``.
 """
 
 from __future__ import annotations
@@ -259,3 +262,30 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     (tmp / "align_pipeline_meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
     os.replace(tmp, out)
     return {"family": family, "out_dir": str(out), "tokenizer": bool(tokens), **written}
+
+
+def check_parity(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, work_dir: str | os.PathLike,
+                 batch: int = 2, length: int = 16, seed: int = 0) -> float:
+    """``max |Δlogit|`` between our checkpoint (Megatron, fp32, one rank) and the HF export (``transformers``, fp32)
+    on ``batch`` x ``length`` random token ids of the real vocabulary."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from align_pipeline.config import LaunchConfig
+    from align_pipeline.launch import run_torchrun
+
+    meta = checkpoint_meta(checkpoint)
+    model_cfg = from_dict(ModelConfig, meta["model"], "meta.json model")
+    length = min(length, model_cfg.seq_length)
+    tokens = np.random.default_rng(seed).integers(0, int(meta["vocab_size"]), size=(batch, length)).tolist()
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    ours = run_torchrun("align_pipeline.model.logits_job", {"checkpoint": str(checkpoint), "tokens": tokens},
+                        LaunchConfig(nproc_per_node=1), work_dir, name="export --check")["logits"]
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens)).logits
+    ours_t = torch.tensor(ours, dtype=torch.float32)
+    if tuple(theirs.shape) != tuple(ours_t.shape):
+        raise HFExportError(f"logits shapes differ: HF {tuple(theirs.shape)} vs ours {tuple(ours_t.shape)}")
+    return float((theirs - ours_t).abs().max())
