@@ -106,7 +106,7 @@ def run_sft(job: SFTJob, nproc: int = 1) -> dict[str, Any]:
 
 
 def run_rm(pref: dict[str, str], tokenizer: str, policy: str, run_dir: Path, model: ModelConfig = TINY_MODEL,
-           parallel: ParallelConfig | None = None, **section: Any) -> dict[str, Any]:
+           parallel: ParallelConfig | None = None, nproc: int = 1, **section: Any) -> dict[str, Any]:
     """A tiny Bradley-Terry reward model on ``pref`` from ``policy`` (``section``: RewardModelConfig fields)."""
     training = TrainingConfig(seed=3, train_steps=4, global_batch_size=8, micro_batch_size=4, eval_interval=0,
                               eval_samples=16, save_interval=0, optimizer=OptimizerConfig(lr=1e-3, warmup_steps=1))
@@ -115,7 +115,7 @@ def run_rm(pref: dict[str, str], tokenizer: str, policy: str, run_dir: Path, mod
                                                             val_data=pref["val"], tokenizer=tokenizer,
                                                             init_from=policy))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    return run_torchrun("align_pipeline.train.reward_model", to_dict(job), LaunchConfig(), run_dir)
+    return run_torchrun("align_pipeline.train.reward_model", to_dict(job), LaunchConfig(nproc_per_node=nproc), run_dir)
 
 
 def losses(result: dict[str, Any]) -> list[float]:

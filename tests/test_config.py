@@ -6,11 +6,14 @@ import ast
 import dataclasses
 import inspect
 import itertools
+from pathlib import Path
 
 import pytest
 
 from align_pipeline import config
 from align_pipeline.config import ConfigError, PPOConfig, ReinforceConfig, SFTJob, from_dict
+
+REPO = Path(__file__).resolve().parents[1]
 
 CLASSES = [getattr(config, name) for name in config.__all__
            if dataclasses.is_dataclass(getattr(config, name, None))]
@@ -66,3 +69,22 @@ def test_a_job_round_trips_through_json():
                              "sft": {"training": {"train_steps": 5}}})
     assert from_dict(SFTJob, config.to_dict(job)) == job
     assert job.sft.training.train_steps == 5 and job.paths.init_from is None
+
+
+@pytest.mark.parametrize("env", ["gpu", "hf_example"])
+def test_shipped_environments_load_and_validate(env):
+    """conf/gpu and conf/hf_example merge over conf/base (soft) and every section validates; hf_example takes the
+    model directory from `--params hf_model_dir=...` for both the tokenizer and SFT's starting weights."""
+    from kedro.config import OmegaConfigLoader
+
+    from align_pipeline.settings import CONFIG_LOADER_ARGS
+    from align_pipeline.validation import PARAM_SCHEMAS, validate_params
+
+    loader = OmegaConfigLoader(str(REPO / "conf"), env=env, runtime_params={"hf_model_dir": "/models/x"},
+                               **{k: v for k, v in CONFIG_LOADER_ARGS.items()})
+    params = loader["parameters"]
+    validate_params(params, set(PARAM_SCHEMAS))
+    assert params["parallel"]["bf16"] is True and params["launch"]["nproc_per_node"] == "gpus"
+    assert params["sft"]["training"]["train_steps"] == 600  # base keys kept under the env's overrides
+    if env == "hf_example":
+        assert params["sft"]["init_from"] == params["data_prep"]["tokenizer"]["hf_model_dir"] == "/models/x"

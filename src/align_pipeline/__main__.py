@@ -3,24 +3,25 @@ Kedro.
 
     align-pipeline [kedro run options]                       # the pipeline, as `kedro run`
     align-pipeline export CHECKPOINT_DIR HF_DIR [--tokenizer DIR] [--dtype float32|bfloat16|float16] [--check]
+    align-pipeline import HF_DIR CHECKPOINT_DIR [--tp N] [--pp N] [--seq-length N] [--check]
 """
 
 import os
 import sys
 from pathlib import Path
 
-COMMANDS = ("export",)
+COMMANDS = ("export", "import")
 
 
 def export_command(argv: list[str]) -> int:
-    """``export``: a policy checkpoint -> an HF model directory (see :mod:`align_pipeline.model.hf_export`)."""
+    """``export``: a model checkpoint -> an HF model directory (see :mod:`align_pipeline.model.hf_export`)."""
     import argparse
-    import json
     import time
 
     parser = argparse.ArgumentParser(prog="align-pipeline export",
-                                     description="Write a policy checkpoint (a stage's model artifact, any TP/PP "
-                                     "layout) as a Hugging Face model directory that transformers and vLLM load.")
+                                     description="Write a model checkpoint (a stage's policy or reward model, any "
+                                     "TP/PP layout) as a Hugging Face model directory that transformers and vLLM "
+                                     "load.")
     parser.add_argument("checkpoint", help="model checkpoint directory (with meta.json), e.g. "
                         "data/06_models/dpo_policy/<version>/dpo_policy")
     parser.add_argument("hf_dir", help="output directory (must not exist)")
@@ -35,7 +36,7 @@ def export_command(argv: list[str]) -> int:
                         help="--check tolerance (default 1e-4 for a float32 export, 5e-2 for bfloat16/float16)")
     args = parser.parse_args(argv)
 
-    from align_pipeline.model.hf_export import HFExportError, check_parity, export_hf
+    from align_pipeline.model.hf_export import HFExportError, export_hf
 
     t0 = time.perf_counter()
     try:
@@ -45,23 +46,67 @@ def export_command(argv: list[str]) -> int:
         print(f"align-pipeline export: {exc}", file=sys.stderr)
         return 2
     summary["seconds"] = round(time.perf_counter() - t0, 2)
-    if args.check:
-        import tempfile
+    tol = args.tol if args.tol is not None else (1e-4 if args.dtype == "float32" else 5e-2)
+    return _report(summary, args.checkpoint, args.hf_dir, tol if args.check else None)
 
-        tol = args.tol if args.tol is not None else (1e-4 if args.dtype == "float32" else 5e-2)
-        with tempfile.TemporaryDirectory(prefix="export-check-") as work:
-            summary["max_abs_logit_diff"] = check_parity(args.checkpoint, args.hf_dir, work)
-        summary["tolerance"] = tol
+
+def _report(summary: dict, checkpoint: str, hf_dir: str, tol: float | None) -> int:
+    """Print the summary as one JSON line; with a tolerance, first run the parity check (exit 1 above it)."""
+    import json
+    import tempfile
+
+    from align_pipeline.model.hf_export import check_parity
+
+    if tol is None:
         print(json.dumps(summary))
-        print(f"max |dlogit| = {summary['max_abs_logit_diff']:.3g} (tolerance {tol:g})", file=sys.stderr)
-        return 0 if summary["max_abs_logit_diff"] <= tol else 1
+        return 0
+    with tempfile.TemporaryDirectory(prefix="align-check-") as work:
+        summary["max_abs_logit_diff"] = check_parity(checkpoint, hf_dir, work)
+    summary["tolerance"] = tol
     print(json.dumps(summary))
-    return 0
+    print(f"max |dlogit| = {summary['max_abs_logit_diff']:.3g} (tolerance {tol:g})", file=sys.stderr)
+    return 0 if summary["max_abs_logit_diff"] <= tol else 1
+
+
+def import_command(argv: list[str]) -> int:
+    """``import``: an HF model directory -> a model checkpoint (see :func:`align_pipeline.model.hf_export.import_hf`)."""
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(prog="align-pipeline import",
+                                     description="Convert a Hugging Face Llama / Qwen2 / Qwen3 / Mistral directory "
+                                     "into a model checkpoint any stage can start from (init_from), written at TP x "
+                                     "PP by a torchrun job.")
+    parser.add_argument("hf_dir", help="HF model directory (config.json + safetensors or pytorch_model.bin)")
+    parser.add_argument("checkpoint", help="output checkpoint directory (must not exist)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the conversion job")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the conversion job")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="training length recorded in the checkpoint (default: the model's context, <= 4096)")
+    parser.add_argument("--check", action="store_true",
+                        help="run the checkpoint (Megatron) and the HF model (transformers) on the same fixed tokens, "
+                        "print max |dlogit| and exit 1 above --tol")
+    parser.add_argument("--tol", type=float, default=1e-4, help="--check tolerance (fp32)")
+    args = parser.parse_args(argv)
+
+    from align_pipeline.launch import LaunchError
+    from align_pipeline.model.hf import HFConversionError
+    from align_pipeline.model.hf_export import HFExportError, import_hf
+
+    t0 = time.perf_counter()
+    try:
+        result = import_hf(args.hf_dir, args.checkpoint, tp=args.tp, pp=args.pp, seq_length=args.seq_length)
+    except (HFExportError, HFConversionError, FileNotFoundError, LaunchError) as exc:
+        print(f"align-pipeline import: {exc}", file=sys.stderr)
+        return 2
+    summary = {"out_dir": result["out"], "family": result["model"]["hf_family"], "vocab_size": result["vocab_size"],
+               "tp": args.tp, "pp": args.pp, "seconds": round(time.perf_counter() - t0, 2)}
+    return _report(summary, args.checkpoint, args.hf_dir, args.tol if args.check else None)
 
 
 def main(*args, **kwargs):
     if not args and len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
-        sys.exit({"export": export_command}[sys.argv[1]](sys.argv[2:]))
+        sys.exit({"export": export_command, "import": import_command}[sys.argv[1]](sys.argv[2:]))
 
     from kedro.framework.cli.utils import find_run_command
     from kedro.framework.project import configure_project

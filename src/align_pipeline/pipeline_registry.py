@@ -1,4 +1,5 @@
-"""Registered pipelines: one per stage, the compositions, and ``__default__`` = everything.
+"""Registered pipelines: one per stage, the compositions, ``export`` (HF directories of the trained models) and
+``__default__`` = every training stage.
 
 The stages are listed explicitly rather than discovered with ``find_pipelines()``: Kedro 1.7 loads pipelines lazily
 and, asked for ``--pipeline dpo_flow``, looks for a package named ``dpo_flow`` and fails on compositions.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from kedro.pipeline import Pipeline
 
-from align_pipeline.pipelines import data_prep, dpo, evaluation, ppo, reinforce, reward_model, sft
+from align_pipeline.pipelines import data_prep, dpo, evaluation, export, ppo, reinforce, reward_model, sft
 
 
 def register_pipelines() -> dict[str, Pipeline]:
@@ -29,5 +30,6 @@ def register_pipelines() -> dict[str, Pipeline]:
         + evaluation.create_pipeline(policies=["sft_policy", "dpo_policy"], reward_model=False),
     }
     # reinforce_rm: the reinforce stage with the catalog's reward model wired in (reward.reward_model_weight > 0).
+    # export: run after training (`kedro run --pipelines export`); not part of __default__, which trains.
     return {**stages, **compositions, "reinforce_rm": reinforce.create_pipeline(reward_model=True),
-            "__default__": sum(stages.values(), Pipeline([]))}
+            "export": export.create_pipeline(), "__default__": sum(stages.values(), Pipeline([]))}

@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from jobs import make_sft_data, run_sft, sft_job
+from jobs import make_pref_data, make_sft_data, run_rm, run_sft, sft_job
 
+from align_pipeline.config import ParallelConfig
 from align_pipeline.model.hf_export import HFExportError, export_hf
 
 pytestmark = pytest.mark.slow  # launches torchrun jobs
@@ -23,15 +24,15 @@ TOKENS = [[1, 18, 21, 21, 17, 5, 9, 9, 6, 15, 16, 4, 12, 2], [1, 7, 7, 3, 30, 31
 TOL = 1e-4
 
 
-def _megatron_logits(checkpoint: str, run_dir: Path) -> np.ndarray:
+def _megatron_logits(checkpoint: str, run_dir: Path, tokens: list | None = None) -> np.ndarray:
     import subprocess
     import sys
 
     run_dir.mkdir(parents=True)
-    cfg = {"run_dir": str(run_dir), "checkpoint": checkpoint, "parallel": {}, "tokens": TOKENS}
+    cfg = {"run_dir": str(run_dir), "checkpoint": checkpoint, "parallel": {}, "tokens": tokens or TOKENS}
     (run_dir / "config.json").write_text(json.dumps(cfg))
-    worker = Path(__file__).with_name("logits_worker.py")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", str(worker), "--config",
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m",
+                    "align_pipeline.model.logits_job", "--config",
                     str(run_dir / "config.json")], check=True, capture_output=True)
     return np.asarray(json.loads((run_dir / "result.json").read_text())["logits"])
 
@@ -92,10 +93,8 @@ def test_exported_policy_generates_with_its_tokenizer(trained):
     assert 1 <= len(new) <= 5 and isinstance(tok.decode(new), str)
 
 
-def test_refusals(trained, tiny_models):
+def test_refusals(trained):
     root, _, checkpoints = trained
-    with pytest.raises(HFExportError, match="'value' head .*ForSequenceClassification is not supported yet"):
-        export_hf(tiny_models["rm"], root / "rm_hf")
     (root / "exists").mkdir()
     with pytest.raises(HFExportError, match="exists; export into a new directory"):
         export_hf(checkpoints["llama"], root / "exists")
@@ -103,7 +102,113 @@ def test_refusals(trained, tiny_models):
         export_hf(checkpoints["llama"], root / "x", dtype="int8")
 
 
-def test_cli_export(trained, tiny_models):
+def _rewards_both_ways(checkpoint: str, hf_dir: Path, pref_val: str, pooling: str, run_dir: Path):
+    """(project rewards, HF rewards) on 8 chosen + 8 rejected right-padded validation rows: ours from the Megatron
+    per-token values pooled by model.sequences.sequence_rewards; HF's from the exported model as its note says."""
+    from transformers import AutoModelForSequenceClassification
+
+    from align_pipeline.data.formats import load_npz
+    from align_pipeline.model.sequences import sequence_rewards
+
+    arrays = load_npz(pref_val)
+    ids = np.concatenate([arrays["chosen_input_ids"][:8], arrays["rejected_input_ids"][:8]])  # [16, S]
+    mask = torch.tensor(np.concatenate([arrays["chosen_loss_mask"][:8], arrays["rejected_loss_mask"][:8]]))
+    values = torch.tensor(_megatron_logits(checkpoint, run_dir, tokens=ids.tolist()), dtype=torch.float32)
+    ours = sequence_rewards(values, mask, pooling)  # [16]
+    model = AutoModelForSequenceClassification.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        if pooling == "last":  # HF's own pooling: the last non-pad token
+            theirs = model(torch.tensor(ids)).logits[:, 0]
+        else:  # the note's recipe: score every position, average over the response
+            hidden = model.model(torch.tensor(ids)).last_hidden_state
+            theirs = sequence_rewards(model.score(hidden), mask, "mean")
+    return ours, theirs
+
+
+def test_reward_models_export_as_sequence_classification_and_score_the_same(trained, tiny_models, tmp_path):
+    """A last-token reward model trained at PP=2 from the tied Qwen2-style policy (value head on tied embeddings)
+    -> Qwen2ForSequenceClassification scoring exactly as the project; the demo's mean-pooled one -> a note that
+    says how to score it, and scoring so gives the project's rewards."""
+    root, data, checkpoints = trained
+    pref = make_pref_data(root / "pref", data["tokenizer"])
+    last_rm = run_rm(pref, data["tokenizer"], checkpoints["qwen2"], tmp_path / "rm_last", pooling="last",
+                     parallel=ParallelConfig(pipeline_model_parallel_size=2), nproc=2)["model_dir"]
+    cases = {"last": (last_rm, pref["val"], "Qwen2ForSequenceClassification"),
+             "mean": (tiny_models["rm"], tiny_models["pref"]["val"], "LlamaForSequenceClassification")}
+    for pooling, (checkpoint, pref_val, arch) in cases.items():
+        out = tmp_path / f"rm_{pooling}_hf"
+        assert export_hf(checkpoint, out)["architecture"] == arch
+        config = json.loads((out / "config.json").read_text())
+        assert len(config["id2label"]) == 1 and config["pad_token_id"] is not None  # num_labels = 1
+        note = config["align_pipeline"]
+        assert (note["pooling"], note["head"]) == (pooling, "value")
+        # HF's score layer has no bias; ours (a constant offset under Bradley-Terry) travels in the note
+        bias = note["score_bias"] or [0.0]
+        assert len(bias) == 1 and "How to score" in (out / "README.md").read_text()
+        ours, theirs = _rewards_both_ways(checkpoint, out, pref_val, pooling, tmp_path / f"values_{pooling}")
+        theirs = theirs + bias[0]
+        torch.testing.assert_close(theirs, ours, atol=TOL, rtol=0, msg=pooling)
+        assert (ours[:8] - ours[8:]).abs().max() > 1e-3, pooling  # trained: chosen and rejected scores differ
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """Every tiny HF family, saved with save_pretrained and imported at a different TP/PP layout by import_hf."""
+    from hf_models import tiny_family_models
+
+    from align_pipeline.model.hf_export import import_hf
+
+    root = tmp_path_factory.mktemp("import")
+    layouts = {"llama3": (2, 1), "qwen3": (1, 2), "mistral": (2, 1), "qwen2": (1, 1)}
+    models = tiny_family_models()
+    out = {}
+    for name, (tp, pp) in layouts.items():
+        models[name].save_pretrained(root / "hf" / name)
+        result = import_hf(root / "hf" / name, root / "ckpt" / name, tp=tp, pp=pp, seq_length=32)
+        assert result["model"]["hf_family"] == ("llama" if name == "llama3" else name)
+        out[name] = (root / "hf" / name, root / "ckpt" / name)
+    return root, out
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "mistral", "qwen2"])
+def test_import_then_export_gives_the_source_tensors_and_config(imported, name):
+    from safetensors.torch import load_file
+
+    root, dirs = imported
+    source, ckpt = dirs[name]
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["stage"] == "import" and meta["lineage"]["parent"] == {"kind": "hf", "path": str(source.resolve())}
+    out = root / f"export_{name}"
+    export_hf(ckpt, out)
+    theirs, ours = load_file(str(source / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+    src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (source, out))
+    for key in ("model_type", "architectures", "head_dim", "rope_parameters", "tie_word_embeddings", "sliding_window",
+                "max_position_embeddings", "num_key_value_heads", "attention_bias", "rms_norm_eps"):
+        assert out_cfg.get(key) == src_cfg.get(key), key
+
+
+def test_cli_import_with_check(imported, tmp_path):
+    """`align-pipeline import HF CKPT --tp 2 --check`: a Qwen3 model (QK norm, head_dim != hidden/heads, tied)."""
+    import subprocess
+    import sys
+
+    _, dirs = imported
+    source, _ = dirs["qwen3"]
+    done = subprocess.run([sys.executable, "-m", "align_pipeline", "import", str(source), str(tmp_path / "ckpt"),
+                           "--tp", "2", "--seq-length", "32", "--check"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["family"] == "qwen3" and summary["tp"] == 2 and summary["max_abs_logit_diff"] <= 1e-4
+    assert "max |dlogit| = " in done.stderr
+    refused = subprocess.run([sys.executable, "-m", "align_pipeline", "import", str(source), str(tmp_path / "ckpt")],
+                             capture_output=True, text=True, check=False)
+    assert refused.returncode == 2 and "exists; import into a new directory" in refused.stderr
+
+
+def test_cli_export(trained):
     """`align-pipeline export` (here `python -m align_pipeline export`): a summary line, or exit 2 with the reason."""
     import subprocess
     import sys
@@ -128,6 +233,6 @@ def test_cli_export(trained, tiny_models):
                             capture_output=True, text=True, check=False)
     assert strict.returncode == 1, strict.stderr  # bf16 weights cannot match fp32 logits to 1e-9
     assert json.loads(strict.stdout.strip().splitlines()[-1])["max_abs_logit_diff"] > 1e-9
-    refused = subprocess.run([sys.executable, "-m", "align_pipeline", "export", tiny_models["rm"], str(root / "no")],
+    refused = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["llama"], str(out)],
                              capture_output=True, text=True, check=False)
-    assert refused.returncode == 2 and "not supported yet" in refused.stderr and not (root / "no").exists()
+    assert refused.returncode == 2 and "exists; export into a new directory" in refused.stderr

@@ -152,3 +152,69 @@ def test_rlhf_on_a_fresh_project_then_reinforce_on_its_sft_policy(project):
             history = client.get_metric_history(child[node].info.run_id, name)
             assert [m.step for m in history] == [1, 2, 3], (node, name)
         assert "val/greedy_accuracy" in child[node].data.metrics
+
+
+def _llama32_style_hf_dir(path: Path) -> None:
+    """A tiny Llama-3.2-style HF model (llama3 RoPE scaling, tied embeddings) with a character tokenizer that covers
+    the demo data and a chat template, made here with `transformers` / `tokenizers` (nothing downloaded)."""
+    import torch
+    from hf_models import LLAMA3_ROPE
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from align_pipeline.data.schemas import read_raw_jsonl, record_texts
+    from align_pipeline.data.tokenizer import train_tokenizer
+
+    raw = REPO / "data" / "01_raw"
+    texts = [t for kind in ("sft", "preference", "prompts")
+             for rec in read_raw_jsonl(raw / f"{kind}.jsonl", kind).records for t in record_texts(rec)]
+    ours = train_tokenizer(texts)
+    tok = PreTrainedTokenizerFast(tokenizer_object=ours.tokenizer, bos_token=ours.id_to_token(ours.bos_id),
+                                  eos_token=ours.id_to_token(ours.eos_id), pad_token=ours.id_to_token(ours.pad_id))
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tok.save_pretrained(str(path))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(str(path))
+
+
+def test_hf_model_through_data_prep_sft_dpo_then_export(project):
+    """data_prep (the HF model's tokenizer) -> sft (init_from the HF dir) -> dpo (export_hf: true) on a tiny
+    Llama-3.2-style model; then `--pipelines export` writes sft_policy_hf and dpo_policy_hf (only the models the
+    project has), which transformers loads and generates with, chat template included."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_dir = project / "hf_base"
+    _llama32_style_hf_dir(hf_dir)
+    params = {**FAST, "data_prep": {"tokenizer": {"hf_model_dir": str(hf_dir)}},
+              "sft": {**FAST["sft"], "init_from": str(hf_dir)}, "dpo": {**TINY_STAGE, "export_hf": True}}
+    (project / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(params))
+    _run(project, "data_prep", "sft", "dpo")
+    (dpo_version,) = (project / "data" / "06_models" / "dpo_policy").iterdir()
+    inline = dpo_version / "dpo_policy" / "hf"
+    assert json.loads((inline / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+    outputs = _run(project, "export")
+    exported = project / "data" / "07_model_output"
+    assert sorted(p.name for p in exported.iterdir() if p.name.endswith("_hf")) == ["dpo_policy_hf", "sft_policy_hf"]
+    assert outputs["reward_model_export_metrics"].load() == {}
+    (version,) = (exported / "dpo_policy_hf").iterdir()
+    out = version / "dpo_policy_hf"
+    config = json.loads((out / "config.json").read_text())
+    source = json.loads((hf_dir / "config.json").read_text())
+    for key in ("rope_parameters", "tie_word_embeddings", "max_position_embeddings", "model_type"):
+        assert config[key] == source[key], key
+    meta = json.loads((out / "align_pipeline_meta.json").read_text())
+    assert meta["stage"] == "dpo" and meta["lineage"]["parent"]["path"].endswith("sft_policy")
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.chat_template == AutoTokenizer.from_pretrained(str(hf_dir)).chat_template
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "add: 1+2"}], tokenize=False)
+    ids = torch.tensor([[tok.bos_token_id, *tok.encode(prompt, add_special_tokens=False)]])
+    new = model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1]:]
+    assert 1 <= len(new) <= 4
+    assert outputs["dpo_policy_export_metrics"].load()["bytes"] > 0
+

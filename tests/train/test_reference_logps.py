@@ -15,7 +15,6 @@ from align_pipeline.launch import run_torchrun
 from align_pipeline.pipelines.dpo.nodes import compute_reference_logps
 
 pytestmark = pytest.mark.slow
-TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +40,9 @@ def _independent_logps(policy: str, npz: str, rows: slice, run_dir: Path) -> tup
         ids, labels, mask = (arrays[f"{side}_{k}"][rows] for k in ("input_ids", "labels", "loss_mask"))
         run_dir_side = run_dir / side
         run_dir_side.mkdir(parents=True)
-        env = {"PYTHONPATH": os.pathsep.join([str(TESTS / "model"), os.environ.get("PYTHONPATH", "")])}
-        logits = np.asarray(run_torchrun("logits_worker", {"checkpoint": policy, "parallel": {},
+        logits = np.asarray(run_torchrun("align_pipeline.model.logits_job", {"checkpoint": policy, "parallel": {},
                                                             "tokens": ids.tolist()},
-                                         LaunchConfig(), run_dir_side, env=env)["logits"])  # [b, s, V]
+                                         LaunchConfig(), run_dir_side)["logits"])  # [b, s, V]
         logits = logits - logits.max(-1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         picked = np.take_along_axis(logp, labels[..., None], -1)[..., 0]

@@ -86,9 +86,9 @@ def run(module: str, job, nproc: int = 1) -> dict:
                         job.paths.run_dir)
 
 
-def outputs_of(model_dir: str, run_dir: Path, head: str = "lm", nproc: int = 1, parallel: dict | None = None):
-    """The model's outputs (logits or values) on fixed tokens, via the test logits worker."""
-    cfg = {"run_dir": str(run_dir), "checkpoint": model_dir, "parallel": parallel or {}, "head": head,
+def outputs_of(model_dir: str, run_dir: Path, nproc: int = 1, parallel: dict | None = None):
+    """The model's outputs (logits, or values for a value-head checkpoint) on fixed tokens (model.logits_job)."""
+    cfg = {"run_dir": str(run_dir), "checkpoint": model_dir, "parallel": parallel or {},
            "tokens": [[1, 18, 21, 21, 17, 5, 9, 9, 6, 15, 16, 4, 12, 2]]}
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg))
@@ -96,7 +96,7 @@ def outputs_of(model_dir: str, run_dir: Path, head: str = "lm", nproc: int = 1, 
     import sys
 
     subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    str(HERE.parent / "model" / "logits_worker.py"), "--config", str(run_dir / "config.json")],
+                    "-m", "align_pipeline.model.logits_job", "--config", str(run_dir / "config.json")],
                    check=True, capture_output=True)
     return json.loads((run_dir / "result.json").read_text())["logits"]
 
@@ -137,8 +137,8 @@ def test_one_ppo_iteration_trains_actor_and_critic_and_leaves_reference_and_rm_a
     assert {k: _tree_hash(models[k]) for k in ("sft", "rm")} == before
     actor = outputs_of(result["actor_dir"], tmp_path / "o1")
     sft = outputs_of(models["sft"], tmp_path / "o2")
-    critic = outputs_of(result["critic_dir"], tmp_path / "o3", head="value")
-    rm = outputs_of(models["rm"], tmp_path / "o4", head="value")
+    critic = outputs_of(result["critic_dir"], tmp_path / "o3")
+    rm = outputs_of(models["rm"], tmp_path / "o4")
     assert _max_diff(actor, sft) > 1e-3 and _max_diff(critic, rm) > 1e-3
     meta = json.loads((Path(result["critic_dir"]) / "meta.json").read_text())
     assert meta["head"] == "value" and meta["stage"] == "ppo" and meta["lineage"]["reward_model"] == models["rm"]

@@ -7,7 +7,6 @@ entry point, the launcher and the checkpoint code. Tolerances: fp32 on CPU; redu
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,6 @@ from align_pipeline.config import LaunchConfig
 from align_pipeline.launch import run_torchrun
 
 pytestmark = pytest.mark.slow
-TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +55,11 @@ def test_loss_decreases(reference):
 
 def _logits(checkpoint: str, tp: int, run_dir: Path, tokens) -> np.ndarray:
     run_dir.mkdir(parents=True)
-    env = {"PYTHONPATH": os.pathsep.join([str(TESTS / "model"), os.environ.get("PYTHONPATH", "")])}
     result = run_torchrun(
-        "logits_worker",
+        "align_pipeline.model.logits_job",
         {"checkpoint": checkpoint, "parallel": {"tensor_model_parallel_size": tp}, "tokens": tokens},
         LaunchConfig(nproc_per_node=tp),
         run_dir,
-        env=env,
     )
     return np.asarray(result["logits"])
 

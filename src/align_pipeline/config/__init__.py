@@ -12,6 +12,7 @@ Every field has a docstring; nothing here imports Kedro, Megatron or torch.
 
 from align_pipeline.config.base import ConfigError, config_hash, from_dict, to_dict
 from align_pipeline.config.common import (
+    ExportConfig,
     GenerationConfig,
     KLConfig,
     LaunchConfig,
@@ -51,6 +52,7 @@ SECTIONS = {
     "ppo": PPOConfig,
     "reinforce": ReinforceConfig,
     "evaluation": EvaluationConfig,
+    "export": ExportConfig,
 }
 """``params:<section>`` -> its dataclass (``data_prep``'s is :class:`align_pipeline.data.tokenize.DataPrepConfig`)."""
 
@@ -64,6 +66,7 @@ __all__ = [
     "EvaluationConfig",
     "EvaluationJob",
     "EvaluationPaths",
+    "ExportConfig",
     "GenerationConfig",
     "KLConfig",
     "LaunchConfig",

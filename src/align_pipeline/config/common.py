@@ -36,6 +36,25 @@ class ModelConfig:
     """Rotary (Llama) or learned absolute positions."""
     rotary_base: float = 10000.0
     """RoPE theta."""
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    """RoPE frequency scaling: none; linear = every frequency / ``rope_scaling_factor`` (positions interpolated);
+    llama3 = Llama 3.1's per-band scaling (``rope_scaling_factor``, the low/high frequency factors, the original
+    context)."""
+    rope_scaling_factor: float = 1.0
+    """Scaling factor of ``linear`` and ``llama3`` RoPE scaling."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original context / this are divided by the factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original context / this are kept; in between, interpolated."""
+    rope_original_max_position: int = 8192
+    """llama3 scaling: the context length the model was pretrained at."""
+    kv_channels: int | None = None
+    """Width of one attention head (HF ``head_dim``); None = hidden_size / num_attention_heads."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    """Sliding-window size of an imported model (Mistral v0.1, some Qwen); kept for export. Must be >= seq_length:
+    within its window attention is full, and no shorter window is implemented."""
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     """Norm layer."""
     norm_epsilon: float = 1e-5
@@ -57,6 +76,25 @@ class ModelConfig:
     attention_backend: Literal["auto", "te", "sdpa", "local"] = "auto"
     """auto = Transformer Engine when importable, else SDPA core attention; local = Megatron's unfused attention.
     A run-time choice: it also applies to models loaded from checkpoints (whose architecture is their own)."""
+    max_position_embeddings: int | None = None
+    """Context length of an imported model (HF ``max_position_embeddings``), written back on export; None =
+    seq_length. Training uses seq_length."""
+    hf_family: Literal["llama", "qwen2", "qwen3", "mistral"] | None = None
+    """The Hugging Face family the model was imported from and is exported as; None = the family its architecture
+    implies (QK norm: qwen3; QKV-only biases: qwen2; else llama)."""
+
+    def validate(self) -> None:
+        if self.rope_scaling != "none" and self.rope_scaling_factor <= 0:
+            raise ConfigError(f"model.rope_scaling_factor must be > 0, got {self.rope_scaling_factor}")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError("model.rope_high_freq_factor must be > model.rope_low_freq_factor (llama3 scaling)")
+        if self.kv_channels is not None and self.kv_channels <= 0:
+            raise ConfigError(f"model.kv_channels must be > 0, got {self.kv_channels}")
+        if self.sliding_window is not None and self.sliding_window < self.seq_length:
+            raise ConfigError(f"model.seq_length={self.seq_length} exceeds the model's sliding_window="
+                              f"{self.sliding_window} (sliding-window attention is not implemented)")
+        if self.qk_layernorm and self.normalization != "RMSNorm":
+            raise ConfigError("model.qk_layernorm needs normalization: RMSNorm")
 
 
 @dataclass
@@ -83,8 +121,9 @@ class ParallelConfig:
 class LaunchConfig:
     """How a node starts its torchrun job."""
 
-    nproc_per_node: int = 1
-    """Processes (GPUs, or CPU workers) per node."""
+    nproc_per_node: int | Literal["gpus"] = 1
+    """Processes (GPUs, or CPU workers) per node; "gpus" = one per visible GPU (CUDA_VISIBLE_DEVICES, else
+    nvidia-smi)."""
     nnodes: int = 1
     """Nodes in the job."""
     node_rank: int = 0
@@ -281,6 +320,26 @@ class StageRunConfig:
     interruption resumes from its latest checkpoint."""
     keep_run_dir: bool = False
     """Keep the run directory (training checkpoints, logs) after the model has been stored as a catalog version."""
+    export_hf: bool = False
+    """Also write each final model as a Hugging Face directory inside its artifact (``<artifact>/hf``: policies as
+    ``*ForCausalLM``, reward models / critics as ``*ForSequenceClassification``, with the tokenizer)."""
+
+
+@dataclass
+class ExportConfig:
+    """How model checkpoints are written as Hugging Face directories (``params:export``; stages' ``export_hf``)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the exported weights (float32 = the trained master weights, exact logits)."""
+    max_shard_gb: float = 2.0
+    """Size of one safetensors file."""
+    check: bool = False
+    """Run the checkpoint (Megatron) and the export (transformers) on the same fixed tokens and fail the export if
+    max |Δlogit| exceeds ``tolerance``."""
+    tolerance: float | None = None
+    """Parity tolerance; None = 1e-4 for float32, 5e-2 for bfloat16/float16."""
+    work_dir: str = "data/06_models/_runs/export"
+    """Where the export pipeline writes before the catalog moves each HF directory into its version."""
 
 
 @dataclass(kw_only=True)

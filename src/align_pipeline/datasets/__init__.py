@@ -1,4 +1,4 @@
 """Kedro datasets of align-pipeline's artifacts."""
 
-from .checkpoint import CheckpointDataset  # noqa: F401
+from .checkpoint import CheckpointDataset, HFModelDataset  # noqa: F401
 from .data import PromptsJsonlDataset, RawJsonlDataset, TokenizedNpzDataset, TokenizerDirDataset  # noqa: F401

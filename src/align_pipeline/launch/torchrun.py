@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import json
 import logging
 import os
@@ -106,8 +107,25 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def visible_gpus() -> int:
+    """GPUs this process may use, without importing torch: ``CUDA_VISIBLE_DEVICES`` if set, else ``nvidia-smi -L``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+
+
 def _as_launch_config(launch: LaunchConfig | Mapping[str, Any]) -> LaunchConfig:
     launch = launch if isinstance(launch, LaunchConfig) else from_dict(LaunchConfig, dict(launch))
+    if launch.nproc_per_node == "gpus":
+        gpus = visible_gpus()
+        if gpus == 0:
+            raise ValueError("launch.nproc_per_node=gpus but no GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
+        launch = dataclasses.replace(launch, nproc_per_node=gpus)
     if launch.nproc_per_node < 1 or launch.nnodes < 1:
         raise ValueError(f"nproc_per_node and nnodes must be >= 1, got {launch.nproc_per_node}, {launch.nnodes}")
     if not 0 <= launch.node_rank < launch.nnodes:

@@ -128,11 +128,16 @@ def load_model(path: str | os.PathLike, model) -> dict[str, Any]:
     meta = read_meta(path)
     inner = _unwrap(model)
     sharded = inner.sharded_state_dict()
+    new_head = getattr(inner, "head", "lm") == "value" and meta.get("head", "lm") == "lm"
+    if new_head:  # an LM checkpoint into a value model: everything but the (new, randomly initialised) value head
+        sharded = {k: v for k, v in sharded.items() if not k.startswith("output_layer.")}
     if meta.get("kind") == "training":
         state = dist_checkpointing.load({"model": sharded}, str(path))["model"]
     else:
         state = dist_checkpointing.load(sharded, str(path))
-    inner.load_state_dict(state, strict=True)
+    missing, unexpected = inner.load_state_dict(state, strict=not new_head)
+    if new_head and (unexpected or any(not k.startswith("output_layer.") for k in missing)):
+        raise RuntimeError(f"{path}: loading into a value model left {missing} missing, {unexpected} unexpected")
     return meta
 
 

@@ -1,5 +1,8 @@
 """Build a Llama-style GPT with Megatron-core from :class:`~align_pipeline.config.ModelConfig`.
 
+Covers Llama 2/3.x (RoPE scaling), Qwen2/2.5 (QKV biases, tied embeddings), Qwen3 (explicit head width, QK norm) and
+Mistral (explicit head width).
+
 Layer spec: Transformer Engine's when importable (fused kernels, GPU), else Megatron's local spec with the core
 attention swapped for :class:`~align_pipeline.model.attention.SDPAttention`. ``attention_backend`` in the config can
 force either (``local`` keeps Megatron's unfused attention, used as the reference in tests and benchmarks).
@@ -21,6 +24,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from align_pipeline.config import ModelConfig, ParallelConfig
+from align_pipeline.model import rope
 from align_pipeline.model.attention import SDPAttention
 from align_pipeline.model.norm import TorchNorm
 
@@ -68,6 +72,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides
         "hidden_size": model.hidden_size,
         "num_attention_heads": model.num_attention_heads,
         "num_query_groups": model.num_query_groups or model.num_attention_heads,
+        "kv_channels": model.kv_channels,  # None: hidden / heads
+        "qk_layernorm": model.qk_layernorm,
         "ffn_hidden_size": model.ffn_hidden_size or 4 * model.hidden_size,
         "normalization": model.normalization,
         "layernorm_epsilon": model.norm_epsilon,
@@ -113,11 +119,13 @@ def block_spec(model: ModelConfig, config: TransformerConfig, pp_rank: int) -> M
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    layer = get_gpt_layer_local_spec(normalization=model.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+    layer = get_gpt_layer_local_spec(normalization=model.normalization, qk_layernorm=model.qk_layernorm)
     attn = layer.submodules.self_attention
-    if backend == "sdpa":
-        attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=SDPAttention))
+    replaced = {"core_attention": SDPAttention} if backend == "sdpa" else {}
+    if model.qk_layernorm:
+        replaced |= {"q_layernorm": TorchNorm, "k_layernorm": TorchNorm}
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, **replaced))
     layer = dataclasses.replace(
         layer,
         submodules=dataclasses.replace(
@@ -152,6 +160,9 @@ def build_gpt(
         rotary_base=model.rotary_base,  # a float theta must not be truncated
         pg_collection=pg_collection,
     )
+    if model.position_embedding_type == "rope":
+        # Megatron's RoPE knows only plain theta (and Llama 3's scaling with fixed constants): install ours.
+        gpt.rotary_pos_emb.inv_freq = rope.inv_freq(model, gpt.rotary_pos_emb.inv_freq.device)
     if torch.cuda.is_available():
         gpt = gpt.cuda(torch.cuda.current_device())
     return gpt

@@ -40,10 +40,13 @@ class ValueHead(MegatronModule):
 
 
 def attach_value_head(gpt, num_outputs: int = 1):
-    """Replace the LM output layer of a (last-stage) GPTModel with a fresh :class:`ValueHead`."""
+    """Replace the LM output layer of a (last-stage) GPTModel with a fresh :class:`ValueHead`.
+
+    The GPT must be built untied (``build_model`` does so for value models, also from tied sources)."""
     if gpt.post_process:
         if gpt.share_embeddings_and_output_weights:
-            raise ValueError("a value head needs untied embeddings (share_embeddings_and_output_weights=false)")
+            raise ValueError("a value head needs a GPT built with share_embeddings_and_output_weights=false "
+                             "(model.init.build_model builds value models untied)")
         gpt.output_layer = ValueHead(gpt.config, num_outputs).to(next(gpt.parameters()).device)
     gpt.head = "value"
     return gpt

@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Qwen2 model directories -> our Megatron-core GPT (architecture and weights, any TP/PP).
+"""Hugging Face Llama / Qwen2 / Qwen3 / Mistral model directories -> our Megatron-core GPT (architecture and weights, any TP/PP).
 
 :func:`model_config_from_hf` converts ``config.json`` to a :class:`~align_pipeline.config.ModelConfig`;
 :func:`load_hf_weights` fills one built pipeline stage (``build_gpt``) from ``*.safetensors`` (single or sharded with
@@ -14,6 +14,7 @@ Megatron parameter                                     HF tensor(s)
 ``decoder.layers.i.self_attention.linear_qkv.weight``  ``q_proj``, ``k_proj``, ``v_proj`` ``.weight`` fused per group
 ``decoder.layers.i.self_attention.linear_qkv.bias``    ``q_proj``, ``k_proj``, ``v_proj`` ``.bias`` (Qwen2)
 ``decoder.layers.i.self_attention.linear_proj.weight`` ``model.layers.i.self_attn.o_proj.weight``
+``decoder.layers.i.self_attention.q_layernorm.weight`` ``model.layers.i.self_attn.q_norm.weight`` (Qwen3; k: ``k_``)
 ``decoder.layers.i.pre_mlp_layernorm.weight`` [1]_     ``model.layers.i.post_attention_layernorm.weight``
 ``decoder.layers.i.mlp.linear_fc1.weight``             ``[gate_proj; up_proj]`` ``.weight``
 ``decoder.layers.i.mlp.linear_fc2.weight``             ``model.layers.i.mlp.down_proj.weight``
@@ -47,7 +48,7 @@ import torch
 
 from align_pipeline.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 class HFConversionError(ValueError):
@@ -65,33 +66,64 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return json.loads(config_path.read_text())
 
 
-def _rope_theta(cfg: dict[str, Any], where: Path) -> float:
-    """RoPE theta from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x); plain RoPE only."""
-    rope = cfg.get("rope_parameters") or {}
+def _rope(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
+    """RoPE fields of :class:`ModelConfig` from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
+    ``rope_scaling`` (4.x): plain, ``linear`` and ``llama3`` scaling; anything else is refused."""
+    rope = dict(cfg.get("rope_parameters") or {})
     if isinstance(rope.get("full_attention"), dict):  # per-layer-type form
-        rope = rope["full_attention"]
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise HFConversionError(
-            f"{where}: RoPE scaling {rope_type!r} ({rope or scaling}) is not supported; only plain RoPE "
-            "(rope_type 'default') can be reproduced by our GPT"
-        )
+        rope = dict(rope["full_attention"])
+    rope |= {k: v for k, v in (cfg.get("rope_scaling") or {}).items() if k not in rope}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
     partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise HFConversionError(f"{where}: partial_rotary_factor={partial} is not supported (only 1.0)")
-    return float(rope.get("rope_theta", cfg.get("rope_theta")) or 10000.0)
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta")) or 10000.0)
+    if rope_type == "default":
+        return {"rotary_base": theta}
+
+    def factor(key: str) -> Any:
+        if rope.get(key) is None:
+            raise HFConversionError(f"{where}: RoPE scaling {rope_type!r} needs {key!r}")
+        return rope[key]
+
+    if rope_type == "linear":
+        return {"rotary_base": theta, "rope_scaling": "linear", "rope_scaling_factor": float(factor("factor"))}
+    if rope_type == "llama3":
+        return {"rotary_base": theta, "rope_scaling": "llama3", "rope_scaling_factor": float(factor("factor")),
+                "rope_low_freq_factor": float(factor("low_freq_factor")),
+                "rope_high_freq_factor": float(factor("high_freq_factor")),
+                "rope_original_max_position": int(factor("original_max_position_embeddings"))}
+    raise HFConversionError(f"{where}: RoPE scaling {rope_type!r} ({rope}) is not supported; supported: default, "
+                            "linear, llama3")
+
+
+def _sliding_window(cfg: dict[str, Any], model_type: str, seq_length: int, where: Path) -> int | None:
+    """The window of sliding-window attention, if the model uses one. Within a window attention is full, so a model
+    with a window of at least ``seq_length`` is reproduced exactly; a shorter window is refused."""
+    window = cfg.get("sliding_window")
+    if model_type in ("qwen2", "qwen3"):
+        used = cfg.get("use_sliding_window", False) or "sliding_attention" in (cfg.get("layer_types") or [])
+        window = window if used else None
+    if window is None:
+        return None
+    if int(window) < seq_length:
+        raise HFConversionError(
+            f"{where}: sliding_window={window} is shorter than model.seq_length={seq_length}; sliding-window "
+            f"attention is not implemented, so train with model.seq_length <= {window} (attention is then full)"
+        )
+    return int(window)
 
 
 def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConfig, int]:
-    """Our :class:`ModelConfig` for the HF Llama/Qwen2 model in ``path``, and its vocabulary size.
+    """Our :class:`ModelConfig` for the HF Llama / Qwen2 / Qwen3 / Mistral model in ``path``, and its vocabulary size.
 
     Architecture comes from ``config.json``; run-time choices come from ``base``: ``seq_length`` (the training length
     is ours to choose), ``attention_backend``, ``make_vocab_size_divisible_by`` and the dropouts.
 
     Raises:
-        HFConversionError: a model type other than llama/qwen2, or a feature our GPT cannot reproduce (RoPE scaling,
-            sliding-window attention, head_dim != hidden/heads, non-SiLU activation, ...).
+        HFConversionError: another model type, or a feature our GPT cannot reproduce (RoPE scaling other than
+            linear/llama3, a sliding window shorter than ``seq_length``, biases on attention but not the MLP,
+            non-SiLU activation, ...), named with its field.
     """
     path = Path(path)
     cfg = read_hf_config(path)
@@ -109,30 +141,21 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConf
 
     hidden, heads, layers = int(need("hidden_size")), int(need("num_attention_heads")), int(need("num_hidden_layers"))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and int(head_dim) * heads != hidden:
-        raise HFConversionError(
-            f"{where}: head_dim={head_dim} with {heads} heads != hidden_size={hidden}; our GPT needs "
-            "head_dim = hidden_size / num_attention_heads"
-        )
-    if hidden % heads or heads % kv_heads:
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if (cfg.get("head_dim") is None and hidden % heads) or heads % kv_heads:
         raise HFConversionError(f"{where}: hidden_size={hidden}, num_attention_heads={heads}, "
                                 f"num_key_value_heads={kv_heads} are inconsistent")
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise HFConversionError(f"{where}: hidden_act={act!r} is not supported (Llama/Qwen2 SwiGLU uses 'silu')")
-    rotary_base = _rope_theta(cfg, where)
+        raise HFConversionError(f"{where}: hidden_act={act!r} is not supported (these families use 'silu')")
 
     if model_type == "qwen2":
-        sliding = cfg.get("use_sliding_window", False) or "sliding_attention" in (cfg.get("layer_types") or [])
-        if sliding:
-            raise HFConversionError(f"{where}: sliding-window attention (use_sliding_window / layer_types) is not "
-                                    "supported")
         add_qkv_bias, add_bias_linear = True, False
-    else:
+    elif model_type == "mistral":
+        add_qkv_bias, add_bias_linear = False, False
+    else:  # llama, qwen3: attention_bias (q, k, v and o) and, for llama, mlp_bias
         attention_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
         if attention_bias != mlp_bias:
-            # Llama's attention_bias puts biases on q, k, v *and* o; our GPT has either QKV-only biases or all biases.
             raise HFConversionError(
                 f"{where}: attention_bias={attention_bias} with mlp_bias={mlp_bias} is not supported (our GPT has "
                 "biases on all linear layers or on none)"
@@ -150,7 +173,10 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConf
         vocab_size=vocab,
         make_vocab_size_divisible_by=base.make_vocab_size_divisible_by,
         position_embedding_type="rope",
-        rotary_base=rotary_base,
+        **_rope(cfg, where),
+        kv_channels=head_dim if head_dim * heads != hidden else None,
+        qk_layernorm=model_type == "qwen3",
+        sliding_window=_sliding_window(cfg, model_type, base.seq_length, where),
         normalization="RMSNorm",
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         activation="swiglu",
@@ -161,7 +187,10 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConf
         attention_dropout=base.attention_dropout,
         hidden_dropout=base.hidden_dropout,
         attention_backend=base.attention_backend,
+        max_position_embeddings=cfg.get("max_position_embeddings"),
+        hf_family=model_type,
     )
+    model.validate()
     return model, vocab
 
 
@@ -269,6 +298,8 @@ def expected_hf_keys(config, tied: bool) -> tuple[set[str], set[str]]:
             "input_layernorm.weight", "post_attention_layernorm.weight",
             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+        if config.qk_layernorm:
+            required |= {pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"}
         if config.add_qkv_bias or config.add_bias_linear:
             required |= {pre + f"self_attn.{p}_proj.bias" for p in "qkv"}
         if config.add_bias_linear:
@@ -293,7 +324,8 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
     """Copy the HF weights in ``path`` into ``module`` (a GPT stage from ``build_gpt``, possibly wrapped), in place.
 
     Every parameter of the stage gets a value, and every tensor in the files belongs to the architecture (rotary
-    ``inv_freq`` buffers excepted); otherwise :class:`HFConversionError` names the offending keys. Each rank reads
+    ``inv_freq`` buffers excepted). A model with a value head (:func:`~align_pipeline.model.heads.attach_value_head`)
+    takes everything but the LM head (``lm_head.weight`` is then optional and unused). Otherwise :class:`HFConversionError` names the offending keys. Each rank reads
     only the tensors of its own stage and keeps its own TP slice.
 
     Returns:
@@ -301,12 +333,13 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
     """
     gpt = _unwrap(module)
     config = gpt.config
+    value_head = getattr(gpt, "head", "lm") == "value"
     tied = bool(getattr(gpt, "share_embeddings_and_output_weights", False))
     tp_rank, tp_size = _tp_rank_size(gpt)
     hf = HFTensors(path)
 
     present = hf.keys()
-    required, optional = expected_hf_keys(config, tied)
+    required, optional = expected_hf_keys(config, tied or value_head)  # lm_head optional
     missing = sorted(required - present)
     unexpected = sorted(k for k in present - required - optional if not _IGNORED.search(k))
     if missing or unexpected:
@@ -363,6 +396,8 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
             "self_attention.linear_qkv.layer_norm_weight": lambda: get(pre + "input_layernorm.weight", norm),
             "pre_mlp_layernorm.weight": lambda: get(pre + "post_attention_layernorm.weight", norm),
             "mlp.linear_fc1.layer_norm_weight": lambda: get(pre + "post_attention_layernorm.weight", norm),
+            "self_attention.q_layernorm.weight": lambda: get(pre + "self_attn.q_norm.weight", (head_dim,)),
+            "self_attention.k_layernorm.weight": lambda: get(pre + "self_attn.k_norm.weight", (head_dim,)),
             "self_attention.linear_qkv.weight": lambda: qkv(pre, "weight"),
             "self_attention.linear_qkv.bias": lambda: qkv(pre, "bias"),
             "self_attention.linear_proj.weight": lambda: _rows(
@@ -380,6 +415,8 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
     unmapped = []
     for name, param in gpt.named_parameters():
         source = None
+        if value_head and name.startswith("output_layer."):
+            continue  # a new value head (reward model / critic from a causal LM) keeps its initialisation
         if name == "embedding.word_embeddings.weight":
             source = (lambda p=param: vocab_rows("embed_tokens.weight", p.shape[0]))
         elif name == "decoder.final_layernorm.weight":

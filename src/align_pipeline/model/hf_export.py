@@ -1,4 +1,5 @@
-"""Our model checkpoints -> Hugging Face model directories (``transformers`` ``*ForCausalLM``), in one plain process.
+"""Our model checkpoints -> Hugging Face model directories (``*ForCausalLM`` / ``*ForSequenceClassification``), in
+one plain process.
 
 :func:`export_hf` reads a model checkpoint written by :func:`align_pipeline.model.checkpoint.save_model` (any TP/PP
 layout: the torch_dist files hold each tensor whole, layers stacked on a leading axis) with
@@ -11,15 +12,15 @@ group its query heads, then its key head, then its value head; ``linear_fc1`` = 
 parameter kind at a time (all layers of it), so peak host memory is about the largest kind (the MLP's fc1: ~1/3 of
 the model) plus one output shard, not the whole model.
 
-Family: Qwen2 when the model has QKV-only biases, else Llama (biases on every linear layer = Llama's
-``attention_bias`` + ``mlp_bias``). Only plain RoPE models exist here, so no ``rope_scaling`` is written. The
-vocabulary is the checkpoint's real one (``meta.json`` ``vocab_size``): Megatron's padding rows are dropped, so the
-HF logits equal the Megatron logits over the real tokens.
-
-Reward models and critics (value heads) are refused: their HF form (``*ForSequenceClassification``) is not written yet.
+Family: the one the model was imported from (``model.hf_family``: llama, qwen2, qwen3, mistral), else the one its
+architecture implies (QK norm: Qwen3; QKV-only biases: Qwen2; else Llama). RoPE scaling, ``head_dim``, the tie flag,
+the sliding window and the source's context length are written back. The vocabulary is the checkpoint's real one
+(``meta.json`` ``vocab_size``): Megatron's padding rows are dropped, so the HF logits equal the Megatron logits over
+the real tokens. Value heads (reward models, critics) become ``score.weight`` of ``*ForSequenceClassification``.
 
 :func:`check_parity` runs the checkpoint in Megatron (a one-rank torchrun job of :mod:`align_pipeline.model.logits_job`)
-and the export in ``transformers`` on the same fixed tokens and returns ``max |Δlogit|``.
+and an HF directory in ``transformers`` on the same fixed tokens and returns ``max |Δlogit|`` (both directions use it).
+:func:`import_hf` is the other direction's launcher: a TP x PP job of :mod:`align_pipeline.model.import_job`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from align_pipeline.config import ModelConfig, from_dict
 from align_pipeline.data.formats import checkpoint_meta
+from align_pipeline.model import rope
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -71,8 +73,13 @@ class CheckpointTensors:
         return state
 
 
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
 def family_of(model: ModelConfig) -> str:
-    """``"qwen2"`` (QKV-only biases) or ``"llama"``; raises :class:`HFExportError` for an architecture neither has."""
+    """The HF family the model is written as: its ``hf_family`` (set on import), else the one its architecture
+    implies (QK norm: qwen3; QKV-only biases: qwen2; else llama). Raises :class:`HFExportError` when the family
+    cannot represent the architecture."""
     problems = []
     if model.position_embedding_type != "rope":
         problems.append(f"position_embedding_type={model.position_embedding_type!r} (needs rope)")
@@ -81,42 +88,87 @@ def family_of(model: ModelConfig) -> str:
     if model.activation != "swiglu":
         problems.append(f"activation={model.activation!r} (needs swiglu)")
     if problems:
-        raise HFExportError("no HF family (llama, qwen2) has this architecture: " + "; ".join(problems))
-    return "qwen2" if model.add_qkv_bias and not model.add_bias_linear else "llama"
+        raise HFExportError(f"no HF family ({', '.join(FAMILIES)}) has this architecture: " + "; ".join(problems))
+    qkv_only_bias = model.add_qkv_bias and not model.add_bias_linear
+    family = model.hf_family or ("qwen3" if model.qk_layernorm else "qwen2" if qkv_only_bias else "llama")
+    needs = {  # family -> (QK norm, QKV-only biases, biases on every linear layer allowed)
+        "llama": (False, False, True), "qwen2": (False, True, False), "qwen3": (True, False, True),
+        "mistral": (False, False, False),
+    }[family]
+    if family == "qwen2" and rope.head_dim(model) * model.num_attention_heads != model.hidden_size:
+        raise HFExportError(f"Qwen2 has no head_dim: kv_channels={model.kv_channels} must be hidden / heads")
+    if (model.qk_layernorm, qkv_only_bias) != needs[:2] or (model.add_bias_linear and not needs[2]):
+        raise HFExportError(f"model.hf_family={family!r} cannot hold qk_layernorm={model.qk_layernorm}, "
+                            f"add_qkv_bias={model.add_qkv_bias}, add_bias_linear={model.add_bias_linear}")
+    return family
 
 
-def hf_config(model: ModelConfig, vocab_size: int, dtype: torch.dtype, tokens: dict[str, int | None]):
-    """The ``transformers`` config object of the export."""
-    from transformers import LlamaConfig, Qwen2Config
+def _rope_parameters(model: ModelConfig) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default" if model.rope_scaling == "none" else model.rope_scaling,
+                            "rope_theta": model.rotary_base}
+    if model.rope_scaling != "none":
+        rope["factor"] = model.rope_scaling_factor
+    if model.rope_scaling == "llama3":
+        rope |= {"low_freq_factor": model.rope_low_freq_factor, "high_freq_factor": model.rope_high_freq_factor,
+                 "original_max_position_embeddings": model.rope_original_max_position}
+    return rope
+
+
+def hf_config(model: ModelConfig, vocab_size: int, dtype: torch.dtype, tokens: dict[str, int | None],
+              num_labels: int | None = None):
+    """The ``transformers`` config object of the export (``num_labels``: a sequence-classification head)."""
+    import transformers
 
     family = family_of(model)
-    common = dict(
+    kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=model.hidden_size,
         intermediate_size=model.ffn_hidden_size,
         num_hidden_layers=model.num_layers,
         num_attention_heads=model.num_attention_heads,
         num_key_value_heads=model.num_query_groups or model.num_attention_heads,
-        max_position_embeddings=model.seq_length,
+        max_position_embeddings=model.max_position_embeddings or model.seq_length,
         rms_norm_eps=model.norm_epsilon,
         hidden_act="silu",
         initializer_range=model.init_method_std,
-        tie_word_embeddings=model.share_embeddings_and_output_weights,
-        rope_theta=model.rotary_base,
-        torch_dtype=dtype,
+        tie_word_embeddings=model.share_embeddings_and_output_weights and num_labels is None,
+        rope_parameters=_rope_parameters(model),
+        dtype=dtype,
         **tokens,
     )
-    if family == "qwen2":
-        return Qwen2Config(**common, use_sliding_window=False)
-    return LlamaConfig(**common, attention_bias=model.add_bias_linear, mlp_bias=model.add_bias_linear)
+    if num_labels is not None:
+        kwargs["num_labels"] = num_labels
+    if family != "qwen2":  # Qwen2's head width is always hidden / heads (family_of checks)
+        kwargs["head_dim"] = rope.head_dim(model)
+    if family == "llama":
+        kwargs |= {"attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear}
+    elif family == "qwen3":
+        kwargs |= {"attention_bias": model.add_bias_linear, "use_sliding_window": False,
+                   "sliding_window": model.sliding_window}
+    elif family == "qwen2":
+        kwargs |= {"use_sliding_window": False, "sliding_window": model.sliding_window}
+    else:
+        kwargs |= {"sliding_window": model.sliding_window}
+    cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}[family]
+    return getattr(transformers, cls)(**kwargs)
 
 
-def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every weight of the export, one parameter kind at a time."""
-    layers, hidden = model.num_layers, model.hidden_size
+def architecture(family: str, head: str) -> str:
+    """``LlamaForCausalLM``, ``Qwen3ForSequenceClassification``, ..."""
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
+    return name + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")
+
+
+def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int,
+               head: str = "lm") -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every weight of the export, one parameter kind at a time.
+
+    ``head="value"``: the value head's weight becomes ``score.weight`` (its bias is not a parameter of HF's head:
+    :func:`export_hf` handles it)."""
+    layers = model.num_layers
     heads = model.num_attention_heads
     groups = model.num_query_groups or heads
-    head_dim = hidden // heads
+    head_dim = rope.head_dim(model)
 
     def one(name: str) -> torch.Tensor:
         return ckpt.read(name)[name]
@@ -148,6 +200,9 @@ def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int) -> 
         yield from per_layer(f"self_attn.q_proj.{suffix}", q.reshape(layers, heads * head_dim, *rest))
         yield from per_layer(f"self_attn.k_proj.{suffix}", k.reshape(layers, groups * head_dim, *rest))
         yield from per_layer(f"self_attn.v_proj.{suffix}", v.reshape(layers, groups * head_dim, *rest))
+    if model.qk_layernorm:
+        yield from per_layer("self_attn.q_norm.weight", one("decoder.layers.self_attention.q_layernorm.weight"))
+        yield from per_layer("self_attn.k_norm.weight", one("decoder.layers.self_attention.k_layernorm.weight"))
     yield from per_layer("self_attn.o_proj.weight", one("decoder.layers.self_attention.linear_proj.weight"))
     if ckpt.has("decoder.layers.self_attention.linear_proj.bias"):
         yield from per_layer("self_attn.o_proj.bias", one("decoder.layers.self_attention.linear_proj.bias"))
@@ -162,7 +217,9 @@ def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int) -> 
     if ckpt.has("decoder.layers.mlp.linear_fc2.bias"):
         yield from per_layer("mlp.down_proj.bias", one("decoder.layers.mlp.linear_fc2.bias"))
     yield "model.norm.weight", one("decoder.final_layernorm.weight")
-    if not model.share_embeddings_and_output_weights:
+    if head == "value":
+        yield "score.weight", one("output_layer.weight")  # [outputs, hidden]
+    elif not model.share_embeddings_and_output_weights:
         yield "lm_head.weight", one("output_layer.weight")[:vocab_size].contiguous()
 
 
@@ -221,22 +278,43 @@ def _tokenizer_files(tokenizer_dir: Path, out: Path) -> dict[str, int | None]:
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
 
 
+def _value_head_note(meta: dict[str, Any], pooling: str | None, bias: list[float] | None) -> tuple[dict, str]:
+    """(the ``align_pipeline`` entry of config.json, README text) for a value-head export."""
+    how = {
+        "last": "score = the model's `logits` (HF pools the last non-pad token, as the project does)",
+        "mean": "score = mean over the response tokens of `model.score(model.model(input_ids).last_hidden_state)` "
+                "(HF's `logits` are the last token's value only)",
+        None: "per-token values = `model.score(model.model(input_ids).last_hidden_state)` (a critic)",
+    }[pooling]
+    if bias is not None:
+        how += f"; then add score_bias={bias} (HF's score layer has no bias)"
+    entry = {"head": "value", "stage": meta.get("stage"), "pooling": pooling, "score_bias": bias,
+             "loss": (meta.get("reward_head") or {}).get("loss"), "how_to_score": how}
+    readme = (f"# Value model exported by align-pipeline ({meta.get('stage')})\n\n"
+              f"Pooling in training: {pooling or 'none (per-token values)'}.\n\nHow to score: {how}.\n")
+    return entry, readme
+
+
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
               dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
-    """Write the policy checkpoint at ``checkpoint`` as an HF model directory ``out_dir`` (created; must not exist).
+    """Write the model checkpoint at ``checkpoint`` as an HF model directory ``out_dir`` (created; must not exist).
+
+    Policies (LM head) become ``*ForCausalLM``. Reward models and critics (value head) become
+    ``*ForSequenceClassification`` with ``num_labels`` = the head's outputs: a last-token-pooled reward model scores
+    exactly as in the project (HF pools the last non-pad token); a mean-pooled one or a critic is exported with a
+    note (config.json ``align_pipeline.how_to_score`` and README.md) saying how to score it, since HF's head pools
+    the last token. A non-zero value-head bias (HF's score layer has none) is kept in that note as ``score_bias``.
 
     ``tokenizer``: the tokenizer directory to include (default: the one recorded in the checkpoint's meta.json, if it
     still exists; none = no tokenizer files). ``dtype``: the weights' dtype in the files ("float32", "bfloat16",
-    "float16"). Returns a summary: family, files, parameters, bytes, and the output directory.
+    "float16"). Returns a summary: family, architecture, files, parameters, bytes, and the output directory.
     """
     checkpoint, out = Path(checkpoint), Path(out_dir)
     meta = checkpoint_meta(checkpoint)
     if meta.get("kind") != "model":
         raise HFExportError(f"{checkpoint} is a {meta.get('kind')!r} checkpoint; export a model checkpoint (the "
                             "stage's artifact, or <run_dir>/<model>/model)")
-    if meta.get("head", "lm") != "lm":
-        raise HFExportError(f"{checkpoint} has a {meta.get('head')!r} head (reward model / critic): exporting it as "
-                            "*ForSequenceClassification is not supported yet; only policies (LM head) are")
+    head = meta.get("head", "lm")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
         raise HFExportError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
@@ -245,31 +323,39 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     family = family_of(model)
     if out.exists():
         raise HFExportError(f"{out} exists; export into a new directory")
+    ckpt = CheckpointTensors(checkpoint)
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tokenizer = Path(tokenizer) if tokenizer else Path((meta.get("tokenizer") or {}).get("path") or "")
     tokens = _tokenizer_files(tokenizer, tmp) if tokenizer.name and tokenizer.is_dir() else {}
-    config = hf_config(model, vocab_size, torch_dtype, tokens)
-    config.architectures = ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"]
+    num_labels = int(meta.get("num_outputs", 1)) if head == "value" else None
+    config = hf_config(model, vocab_size, torch_dtype, tokens, num_labels=num_labels)
+    config.architectures = [architecture(family, head)]
+    if head == "value":
+        bias = ckpt.read("output_layer.bias")["output_layer.bias"] if ckpt.has("output_layer.bias") else None
+        bias = bias.tolist() if bias is not None and bool(bias.abs().max() > 0) else None
+        pooling = (meta.get("reward_head") or {}).get("pooling") if meta.get("stage") != "ppo" else None
+        config.align_pipeline, readme = _value_head_note(meta, pooling, bias)
+        (tmp / "README.md").write_text(readme)
     config.save_pretrained(str(tmp))
     if tokens:
         from transformers import GenerationConfig
 
         GenerationConfig(**{k: v for k, v in tokens.items() if v is not None}).save_pretrained(str(tmp))
-    written = _write_shards(hf_tensors(CheckpointTensors(checkpoint), model, vocab_size), tmp, torch_dtype,
-                            max_shard_bytes)
+    written = _write_shards(hf_tensors(ckpt, model, vocab_size, head), tmp, torch_dtype, max_shard_bytes)
     (tmp / "align_pipeline_meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
     os.replace(tmp, out)
-    return {"family": family, "out_dir": str(out), "tokenizer": bool(tokens), **written}
+    return {"family": family, "architecture": config.architectures[0], "out_dir": str(out),
+            "tokenizer": bool(tokens), **written}
 
 
 def check_parity(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, work_dir: str | os.PathLike,
                  batch: int = 2, length: int = 16, seed: int = 0) -> float:
-    """``max |Δlogit|`` between our checkpoint (Megatron, fp32, one rank) and the HF export (``transformers``, fp32)
-    on ``batch`` x ``length`` random token ids of the real vocabulary."""
+    """``max |Δ|`` between our checkpoint (Megatron, fp32, one rank) and an HF directory (``transformers``, fp32) on
+    ``batch`` x ``length`` random token ids of the real vocabulary: logits of a policy, or per-token values of a
+    value model (HF: ``score`` over every position, plus the exported ``score_bias``)."""
     import numpy as np
-    from transformers import AutoModelForCausalLM
 
     from align_pipeline.config import LaunchConfig
     from align_pipeline.launch import run_torchrun
@@ -281,11 +367,51 @@ def check_parity(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, work_
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     ours = run_torchrun("align_pipeline.model.logits_job", {"checkpoint": str(checkpoint), "tokens": tokens},
-                        LaunchConfig(nproc_per_node=1), work_dir, name="export --check")["logits"]
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+                        LaunchConfig(nproc_per_node=1), work_dir, name="--check")["logits"]
+    ids = torch.tensor(tokens)
     with torch.no_grad():
-        theirs = model(torch.tensor(tokens)).logits
+        if meta.get("head", "lm") == "value":
+            from transformers import AutoModelForSequenceClassification
+
+            model = AutoModelForSequenceClassification.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+            hidden = getattr(model, model.base_model_prefix)(ids).last_hidden_state
+            theirs = model.score(hidden) + torch.tensor(
+                (getattr(model.config, "align_pipeline", None) or {}).get("score_bias") or 0.0)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+            theirs = model(ids).logits
     ours_t = torch.tensor(ours, dtype=torch.float32)
     if tuple(theirs.shape) != tuple(ours_t.shape):
-        raise HFExportError(f"logits shapes differ: HF {tuple(theirs.shape)} vs ours {tuple(ours_t.shape)}")
+        raise HFExportError(f"output shapes differ: HF {tuple(theirs.shape)} vs ours {tuple(ours_t.shape)}")
     return float((theirs - ours_t).abs().max())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Import: an HF directory -> a model checkpoint (a torchrun job of align_pipeline.model.import_job)
+
+
+def import_hf(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike, tp: int = 1, pp: int = 1,
+              seq_length: int | None = None, work_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Convert the HF model in ``hf_dir`` into a model checkpoint at ``checkpoint`` (must not exist), written by a
+    TP x PP torchrun job (gloo on CPU, NCCL on GPUs). ``seq_length``: the training length recorded in the
+    checkpoint (default: the model's context, at most 4096). Returns the job's summary."""
+    import tempfile
+
+    from align_pipeline.config import LaunchConfig
+    from align_pipeline.launch import run_torchrun
+    from align_pipeline.model.hf import model_config_from_hf, read_hf_config
+
+    hf_dir, checkpoint = Path(hf_dir).resolve(), Path(checkpoint).resolve()
+    if checkpoint.exists():
+        raise HFExportError(f"{checkpoint} exists; import into a new directory")
+    context = read_hf_config(hf_dir).get("max_position_embeddings") or 4096
+    seq_length = seq_length or min(int(context), 4096)
+    model_config_from_hf(hf_dir, ModelConfig(seq_length=seq_length))  # refuse unsupported models before launching
+    config = {"hf_dir": str(hf_dir), "out": str(checkpoint), "seq_length": seq_length,
+              "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}}
+    with tempfile.TemporaryDirectory(prefix="import-") as tmp:
+        run_dir = Path(work_dir) if work_dir else Path(tmp)
+        return run_torchrun("align_pipeline.model.import_job", config, LaunchConfig(nproc_per_node=tp * pp),
+                            run_dir, name="import")

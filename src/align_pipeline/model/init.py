@@ -65,19 +65,22 @@ def build_model(source: ModelSource, parallel, dist, head: str = "lm", num_outpu
 
     ``head``: the head the caller wants. An LM source can become a value model (the transformer is loaded, the new
     value head starts at random: reward model from SFT, critic from the reward model's value head keeps its head).
+    A value model is built with untied embeddings whatever the source: it has no LM head to tie (and with PP > 1 a
+    tied last stage would hold an embedding copy that Megatron keeps in step with the first stage's).
     """
     from align_pipeline.model.gpt import build_gpt
     from align_pipeline.model.heads import attach_value_head
 
-    gpt = build_gpt(source.model, parallel, source.vocab_size, dist.pgs,
-                    pre_process=dist.is_first_stage, post_process=dist.is_last_stage)
     source_head = source.head if source.load is not None else head
-    if source_head == "value":
-        attach_value_head(gpt, source.num_outputs)
-    if source.load is not None:
-        source.load(gpt)
-    if head == "value" and source_head == "lm":
-        attach_value_head(gpt, num_outputs)
-    elif head != source_head:
+    if head != source_head and not (head == "value" and source_head == "lm"):
         raise ValueError(f"cannot turn a {source_head!r}-head checkpoint into a {head!r}-head model")
+    model = source.model
+    if head == "value":
+        model = dataclasses.replace(model, share_embeddings_and_output_weights=False)
+    gpt = build_gpt(model, parallel, source.vocab_size, dist.pgs,
+                    pre_process=dist.is_first_stage, post_process=dist.is_last_stage)
+    if head == "value":
+        attach_value_head(gpt, source.num_outputs if source_head == "value" else num_outputs)
+    if source.load is not None:
+        source.load(gpt)  # an LM source fills everything but the new value head
     return gpt

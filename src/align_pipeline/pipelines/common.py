@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from align_pipeline.config import (
+    ExportConfig,
     LaunchConfig,
     ModelConfig,
     ParallelConfig,
@@ -74,18 +75,22 @@ def rl_paths(section: StageRunConfig, stage_name: str, *, tokenizer: Artifact, p
     return paths, lineage
 
 
-def launch_stage(module: str, job: Any, launch: LaunchConfig, keep_run_dir: bool, stage_name: str,
+def launch_stage(module: str, job: Any, launch: LaunchConfig, section: StageRunConfig, stage_name: str,
                  output_keys: tuple[str, ...]) -> tuple[list[str], dict[str, Any]]:
     """Launch the stage's torchrun job; return (the model dirs named by ``output_keys`` in result.json, result).
 
-    Unless ``keep_run_dir``, the models are moved out of the run directory (the catalog then moves each into its
-    version) and the rest of the run directory (training checkpoints, logs) is deleted.
+    Unless ``section.keep_run_dir``, the models are moved out of the run directory (the catalog then moves each into
+    its version) and the rest of the run directory (training checkpoints, logs) is deleted. With
+    ``section.export_hf`` each model is also written as an HF directory ``<model>/hf`` (see :func:`export_model`).
     """
     run_dir = Path(job.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     result = run_torchrun(module, to_dict(job), launch, run_dir, name=stage_name)
     dirs = [Path(result[key]) for key in output_keys]
-    if not keep_run_dir:
+    if section.export_hf:
+        for model_dir in dirs:
+            export_model(str(model_dir), str(model_dir / "hf"), ExportConfig(), run_dir / "export" / model_dir.name)
+    if not section.keep_run_dir:
         kept = []
         for key, model_dir in zip(output_keys, dirs):
             keep = run_dir.parent / f".{run_dir.name}-{key.removesuffix('_dir')}"
@@ -98,10 +103,19 @@ def launch_stage(module: str, job: Any, launch: LaunchConfig, keep_run_dir: bool
     return [str(d) for d in dirs], result
 
 
-def run_supervised_stage(module: str, job: Any, launch: LaunchConfig, keep_run_dir: bool, stage_name: str,
+def export_model(checkpoint: str, out: str, cfg: ExportConfig, run_dir: Path) -> dict[str, Any]:
+    """Write the model checkpoint as an HF directory ``out`` in a one-process job (torch stays out of the Kedro
+    process; :mod:`align_pipeline.model.export_job`); returns its summary (with the parity figure if
+    ``cfg.check``)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_torchrun("align_pipeline.model.export_job", {"checkpoint": checkpoint, "out": out, **to_dict(cfg)},
+                        LaunchConfig(nproc_per_node=1), run_dir, name=f"export {Path(checkpoint).name}")
+
+
+def run_supervised_stage(module: str, job: Any, launch: LaunchConfig, section: StageRunConfig, stage_name: str,
                          metric_keys: tuple[str, ...]) -> tuple[str, dict[str, float]]:
     """Launch an SFT / reward-model / DPO job; return (model dir for the catalog, final metrics for MLflow)."""
-    (model_dir,), result = launch_stage(module, job, launch, keep_run_dir, stage_name, ("model_dir",))
+    (model_dir,), result = launch_stage(module, job, launch, section, stage_name, ("model_dir",))
     metrics = {k: float(result[k]) for k in metric_keys if result.get(k) is not None}
     metrics["steps"] = float(result["step"])
     if result["history"]:

@@ -73,5 +73,5 @@ def train_dpo(tokenizer: Artifact, pref_train: Artifact, pref_val: Artifact, sft
     job = DPOJob(dpo=cfg, model=model_cfg, parallel=parallel_cfg,
                  paths=DPOPaths(**to_dict(paths), reference_logps=dpo_reference_logps.path),
                  lineage={**lineage, "reference": sft_policy, "reference_logps": dpo_reference_logps.fingerprint})
-    return run_supervised_stage("align_pipeline.train.dpo", job, launch_cfg, cfg.keep_run_dir, "dpo",
+    return run_supervised_stage("align_pipeline.train.dpo", job, launch_cfg, cfg, "dpo",
                                 metric_keys=("val_loss", "val_accuracy", "val_rewards_margin", "train_loss"))

@@ -17,6 +17,6 @@ def train_ppo(tokenizer: Artifact, prompts_train: Artifact, prompts_val: Artifac
                               key={"model": model_cfg, "parallel": parallel_cfg, "ppo": cfg})
     job = PPOJob(ppo=cfg, model=model_cfg, parallel=parallel_cfg,
                  paths=PPOPaths(**to_dict(paths), critic=reward_model), lineage=lineage)
-    (policy, critic), result = launch_stage("align_pipeline.train.ppo", job, launch_cfg, cfg.keep_run_dir, "ppo",
+    (policy, critic), result = launch_stage("align_pipeline.train.ppo", job, launch_cfg, cfg, "ppo",
                                             ("actor_dir", "critic_dir"))
     return policy, critic, rl_metrics(result)

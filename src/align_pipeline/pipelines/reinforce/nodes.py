@@ -24,6 +24,6 @@ def train_reinforce(tokenizer: Artifact, prompts_train: Artifact, prompts_val: A
                               prompts_val=prompts_val, sft_policy=sft_policy, reward_model=reward_model,
                               key={"model": model_cfg, "parallel": parallel_cfg, "reinforce": cfg})
     job = ReinforceJob(reinforce=cfg, model=model_cfg, parallel=parallel_cfg, paths=paths, lineage=lineage)
-    (policy,), result = launch_stage("align_pipeline.train.reinforce", job, launch_cfg, cfg.keep_run_dir,
+    (policy,), result = launch_stage("align_pipeline.train.reinforce", job, launch_cfg, cfg,
                                      "reinforce", ("actor_dir",))
     return policy, rl_metrics(result)

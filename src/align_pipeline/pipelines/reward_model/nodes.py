@@ -15,6 +15,6 @@ def train_reward_model(tokenizer: Artifact, pref_train: Artifact, pref_val: Arti
                                  init_from=cfg.init_from or sft_policy,
                                  key={"model": model_cfg, "parallel": parallel_cfg, "reward_model": cfg})
     job = RewardModelJob(reward_model=cfg, model=model_cfg, parallel=parallel_cfg, paths=paths, lineage=lineage)
-    return run_supervised_stage("align_pipeline.train.reward_model", job, launch_cfg, cfg.keep_run_dir,
+    return run_supervised_stage("align_pipeline.train.reward_model", job, launch_cfg, cfg,
                                 "reward_model", metric_keys=("val_loss", "val_accuracy", "val_reward_margin",
                                                              "train_loss"))

@@ -14,5 +14,5 @@ def train_sft(tokenizer: Artifact, sft_train: Artifact, sft_val: Artifact, model
     paths, lineage = train_paths(cfg, "sft", tokenizer=tokenizer, train=sft_train, val=sft_val,
                                  init_from=cfg.init_from, key={"model": model_cfg, "parallel": parallel_cfg, "sft": cfg})
     job = SFTJob(sft=cfg, model=model_cfg, parallel=parallel_cfg, paths=paths, lineage=lineage)
-    return run_supervised_stage("align_pipeline.train.sft", job, launch_cfg, cfg.keep_run_dir, "sft",
+    return run_supervised_stage("align_pipeline.train.sft", job, launch_cfg, cfg, "sft",
                                 metric_keys=("val_loss", "train_loss"))

@@ -1,0 +1,34 @@
+"""Export node: a model artifact's path (or "" when the project has none) -> the path of its HF directory."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from align_pipeline.config import ExportConfig, from_dict
+from align_pipeline.pipelines.common import export_model
+
+log = logging.getLogger(__name__)
+
+
+def export_artifact(checkpoint: str, export: dict, *, name: str) -> tuple[str, dict[str, float]]:
+    """Write the checkpoint ``name`` as an HF directory (in a one-process job); returns (its path, metrics).
+
+    An absent artifact ("" from an optional catalog entry) exports nothing: ("", {})."""
+    cfg = from_dict(ExportConfig, export, "params:export")
+    if not checkpoint:
+        log.info("export: no %s in the catalog, nothing to export", name)
+        return "", {}
+    Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=cfg.work_dir)).resolve()
+    out = work / f"{name}_hf"  # the catalog moves it into its version
+    summary = export_model(checkpoint, str(out), cfg, work / "job")
+    shutil.rmtree(work / "job", ignore_errors=True)
+    log.info("export: %s -> %s (%s, %d files, %.1f MB, %.1f s)", name, out, summary["architecture"],
+             summary["files"], summary["bytes"] / 1e6, summary["seconds"])
+    metrics = {"seconds": float(summary["seconds"]), "bytes": float(summary["bytes"])}
+    if "max_abs_logit_diff" in summary:
+        metrics["max_abs_logit_diff"] = float(summary["max_abs_logit_diff"])
+    return str(out), metrics

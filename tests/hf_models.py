@@ -1,0 +1,50 @@
+"""Tiny random-init Hugging Face models of every family the project imports and exports (made with `transformers`,
+never downloaded), shared by the import, export and Kedro tests."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 100
+
+
+def _tiny(model_type: str, **overrides):
+    import transformers
+
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[model_type]
+    config_cls, model_cls = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
+    kwargs = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+              **overrides}
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**kwargs))
+    with torch.no_grad():  # make every weight matter: norms != 1, biases != 0, larger embeddings
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return model.eval()
+
+
+# Llama 3.1 scaling with a short original context, so that all three frequency bands occur within 12 positions.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def tiny_family_models() -> dict:
+    """{name: transformers model} for every supported family and its distinctive features (shared with the export
+    tests): Llama-2 style, Llama-3.2 style (llama3 RoPE scaling, tied), linear RoPE scaling, Qwen2.5 style (QKV
+    biases, tied), Qwen3 (head_dim 32 != 64/4, QK norm, tied), Mistral (head_dim 32, a sliding window >= seq_length)."""
+    return {
+        "llama": _tiny("llama", rope_theta=50000.0),
+        "llama3": _tiny("llama", rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=True),
+        "llama_linear": _tiny("llama", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+        "qwen2": _tiny("qwen2", tie_word_embeddings=True),
+        "qwen3": _tiny("qwen3", head_dim=32, tie_word_embeddings=True),
+        "mistral": _tiny("mistral", head_dim=32, sliding_window=64),
+    }
