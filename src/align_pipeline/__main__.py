@@ -60,8 +60,15 @@ def _report(summary: dict, checkpoint: str, hf_dir: str, tol: float | None) -> i
     if tol is None:
         print(json.dumps(summary))
         return 0
+    from align_pipeline.launch import LaunchError
+    from align_pipeline.model.hf_export import HFExportError
+
     with tempfile.TemporaryDirectory(prefix="align-check-") as work:
-        summary["max_abs_logit_diff"] = check_parity(checkpoint, hf_dir, work)
+        try:
+            summary["max_abs_logit_diff"] = check_parity(checkpoint, hf_dir, work)
+        except (LaunchError, HFExportError) as exc:
+            print(f"align-pipeline --check: {exc}", file=sys.stderr)
+            return 2
     summary["tolerance"] = tol
     print(json.dumps(summary))
     print(f"max |dlogit| = {summary['max_abs_logit_diff']:.3g} (tolerance {tol:g})", file=sys.stderr)

@@ -31,9 +31,10 @@ def main() -> None:
     source = init.resolve(cfg["checkpoint"], ModelConfig(), tokenizer_vocab_size=0)
     model = init.build_model(source, parallel, dist, head=source.head)
     model.eval()
-    tokens = torch.tensor(cfg["tokens"], dtype=torch.long)
+    tokens = torch.tensor(cfg["tokens"], dtype=torch.long, device=dist.device)
     with torch.no_grad():
         out = model(tokens, position_ids(tokens), None, runtime_gather_output=True)  # [b, s, V padded] or [b, s, A]
+    out = out.float().cpu()
     if source.head == "lm":
         out = out[..., : source.vocab_size]
     if dist.rank == 0:
