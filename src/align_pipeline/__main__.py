@@ -36,12 +36,13 @@ def export_command(argv: list[str]) -> int:
                         help="--check tolerance (default 1e-4 for a float32 export, 5e-2 for bfloat16/float16)")
     args = parser.parse_args(argv)
 
-    from align_pipeline.model.hf_export import HFExportError, export_hf
+    from align_pipeline.model.hf_export import HFExportError, export_hf, progress_printer
 
     t0 = time.perf_counter()
     try:
         summary = export_hf(args.checkpoint, args.hf_dir, tokenizer=args.tokenizer, dtype=args.dtype,
-                            max_shard_bytes=int(args.max_shard_gb * 1024**3))
+                            max_shard_bytes=int(args.max_shard_gb * 1024**3),
+                            progress=progress_printer("align-pipeline export"))
     except (HFExportError, FileNotFoundError) as exc:
         print(f"align-pipeline export: {exc}", file=sys.stderr)
         return 2

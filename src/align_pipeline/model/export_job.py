@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
-from align_pipeline.model.hf_export import check_parity, export_hf
+from align_pipeline.model.hf_export import check_parity, export_hf, progress_printer
 
 
 def main() -> None:
@@ -25,7 +26,8 @@ def main() -> None:
     cfg = json.loads(Path(parser.parse_args().config).read_text())
     t0 = time.perf_counter()
     summary = export_hf(cfg["checkpoint"], cfg["out"], dtype=cfg["dtype"],
-                        max_shard_bytes=int(cfg["max_shard_gb"] * 1024**3))
+                        max_shard_bytes=int(cfg["max_shard_gb"] * 1024**3),
+                        progress=progress_printer(f"export {Path(cfg['checkpoint']).name}", sys.stdout))
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     if cfg["check"]:
         tol = cfg["tolerance"] if cfg["tolerance"] is not None else (1e-4 if cfg["dtype"] == "float32" else 5e-2)

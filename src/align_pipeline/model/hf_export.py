@@ -8,9 +8,10 @@ layout: the torch_dist files hold each tensor whole, layers stacked on a leading
 tokenizer files and ``align_pipeline_meta.json`` (the checkpoint's meta.json: lineage, stage, metrics).
 
 The name mapping is the inverse of :mod:`align_pipeline.model.hf` (fused QKV rows grouped by key/value head: for each
-group its query heads, then its key head, then its value head; ``linear_fc1`` = ``[gate; up]``). Tensors are read one
-parameter kind at a time (all layers of it), so peak host memory is about the largest kind (the MLP's fc1: ~1/3 of
-the model) plus one output shard, not the whole model.
+group its query heads, then its key head, then its value head; ``linear_fc1`` = ``[gate; up]``). Streaming: each
+safetensors file's header is written from the planned shapes, then every tensor is read (one layer of one kind, from
+its own chunks of the ``.distcp`` files) and written before the next is read, so peak host memory is about one
+layer's fused fc1 or the embedding, whatever the model's size.
 
 Family: the one the model was imported from (``model.hf_family``: llama, qwen2, qwen3, mistral), else the one its
 architecture implies (QK norm: Qwen3; QKV-only biases: Qwen2; else Llama). RoPE scaling, ``head_dim``, the tie flag,
@@ -28,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +53,23 @@ def _reader(path: Path):
 
 
 class CheckpointTensors:
-    """The whole (TP/PP-gathered) tensors of a model checkpoint, read by name without building the model."""
+    """The whole (TP/PP-gathered) tensors of a model checkpoint, read by name without building the model.
+
+    Megatron stores the layers of a kind stacked on a leading axis, each layer (and TP shard) as its own chunk:
+    :meth:`layer` reads only layer ``i``'s chunks from the ``.distcp`` files, so memory never holds more than one
+    layer of one kind."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        metadata = _reader(self.path).read_metadata().state_dict_metadata
+        self._metadata = _reader(self.path).read_metadata()
+        metadata = self._metadata.state_dict_metadata
         self.shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in metadata.items() if hasattr(v, "size")}
 
     def has(self, name: str) -> bool:
         return name in self.shapes
 
     def read(self, *names: str) -> dict[str, torch.Tensor]:
+        """Whole tensors (through ``torch.distributed.checkpoint``)."""
         import torch.distributed.checkpoint as dcp
 
         missing = [n for n in names if n not in self.shapes]
@@ -71,6 +78,34 @@ class CheckpointTensors:
         state = {n: torch.empty(self.shapes[n][0], dtype=self.shapes[n][1]) for n in names}
         dcp.load(state, storage_reader=_reader(self.path))
         return state
+
+    def layer(self, name: str, i: int) -> torch.Tensor:
+        """Layer ``i`` of a stacked ``decoder.layers.*`` tensor, assembled from its chunks (TP shards)."""
+        import io
+
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        if name not in self.shapes:
+            raise HFExportError(f"{self.path}: the checkpoint has no tensor {name}")
+        shape, dtype = self.shapes[name]
+        out = torch.empty(shape[1:], dtype=dtype)
+        filled = 0
+        for chunk in self._metadata.state_dict_metadata[name].chunks:
+            if chunk.offsets[0] > i or chunk.offsets[0] + chunk.sizes[0] <= i:
+                continue
+            info = self._metadata.storage_data[MetadataIndex(name, chunk.offsets)]
+            if chunk.sizes[0] != 1 or getattr(info, "transform_descriptors", None):
+                return self.read(name)[name][i]  # a layout this reader does not slice: whole tensor
+            with open(self.path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                blob = f.read(info.length)
+            part = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets[1:], chunk.sizes[1:]))
+            out[region] = part.reshape(tuple(chunk.sizes))[0]
+            filled += part.numel()
+        if filled != out.numel():
+            raise HFExportError(f"{self.path}: chunks of {name} cover {filled} of layer {i}'s {out.numel()} values")
+        return out
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -159,106 +194,148 @@ def architecture(family: str, head: str) -> str:
     return name + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")
 
 
+Producer = Callable[[], torch.Tensor]
+
+
 def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int,
-               head: str = "lm") -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every weight of the export, one parameter kind at a time.
+               head: str = "lm") -> list[tuple[str, tuple[int, ...], Producer]]:
+    """The export's tensors as (HF name, shape, producer) in file order (embedding, then layer by layer, then the
+    final norm and head). A producer reads only what it needs when called: one layer of one kind (the fused QKV or
+    fc1 of a layer is read once and split), so the writer holds at most one layer's tensors.
 
     ``head="value"``: the value head's weight becomes ``score.weight`` (its bias is not a parameter of HF's head:
     :func:`export_hf` handles it)."""
-    layers = model.num_layers
+    layers, hidden = model.num_layers, model.hidden_size
     heads = model.num_attention_heads
     groups = model.num_query_groups or heads
     head_dim = rope.head_dim(model)
+    ffn = model.ffn_hidden_size or 4 * hidden
+    cache: dict[tuple[str, int], torch.Tensor] = {}
 
-    def one(name: str) -> torch.Tensor:
-        return ckpt.read(name)[name]
+    def layer(name: str, i: int) -> torch.Tensor:
+        if (name, i) not in cache:
+            cache.clear()  # keep one layer of one kind
+            cache[(name, i)] = ckpt.layer(name, i)
+        return cache[(name, i)]
 
-    def first(*names: str) -> torch.Tensor:
+    def first(*names: str) -> str:
         for name in names:
             if ckpt.has(name):
-                return one(name)
+                return name
         raise HFExportError(f"{ckpt.path}: none of {list(names)} is in the checkpoint")
 
-    def weight_and_bias(module: str) -> list[str]:
-        return [f"{module}.weight"] + ([f"{module}.bias"] if ckpt.has(f"{module}.bias") else [])
+    for name, (shape, _) in ckpt.shapes.items():
+        if name.startswith("decoder.layers.") and shape[0] != layers:
+            raise HFExportError(f"{ckpt.path}: {name} holds {shape[0]} layers, expected {layers}")
 
-    def per_layer(hf_name: str, stacked: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        if stacked.shape[0] != layers:
-            raise HFExportError(f"{ckpt.path}: {hf_name} holds {stacked.shape[0]} layers, expected {layers}")
-        for i in range(layers):
-            yield f"model.layers.{i}.{hf_name}", stacked[i].contiguous()
+    def qkv_part(suffix: str, i: int, part: int) -> torch.Tensor:
+        fused = layer(f"decoder.layers.self_attention.linear_qkv.{suffix}", i)  # [groups * (h/g + 2) * d, (hidden)]
+        rest = fused.shape[1:]
+        per_group = fused.reshape(groups, (heads // groups + 2) * head_dim, *rest)
+        pieces = per_group.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
+        return pieces[part].reshape(-1, *rest).contiguous()
 
-    yield "model.embed_tokens.weight", one("embedding.word_embeddings.weight")[:vocab_size].contiguous()
-    yield from per_layer("input_layernorm.weight", first("decoder.layers.self_attention.linear_qkv.layer_norm_weight",
-                                                         "decoder.layers.input_layernorm.weight"))
-    for name in weight_and_bias("decoder.layers.self_attention.linear_qkv"):
-        suffix = name.rsplit(".", 1)[1]
-        fused = one(name)  # [L, groups * (heads/groups + 2) * head_dim, (hidden)]
-        rest = fused.shape[2:]
-        per_group = fused.reshape(layers, groups, (heads // groups + 2) * head_dim, *rest)
-        q, k, v = per_group.split([heads // groups * head_dim, head_dim, head_dim], dim=2)
-        yield from per_layer(f"self_attn.q_proj.{suffix}", q.reshape(layers, heads * head_dim, *rest))
-        yield from per_layer(f"self_attn.k_proj.{suffix}", k.reshape(layers, groups * head_dim, *rest))
-        yield from per_layer(f"self_attn.v_proj.{suffix}", v.reshape(layers, groups * head_dim, *rest))
-    if model.qk_layernorm:
-        yield from per_layer("self_attn.q_norm.weight", one("decoder.layers.self_attention.q_layernorm.weight"))
-        yield from per_layer("self_attn.k_norm.weight", one("decoder.layers.self_attention.k_layernorm.weight"))
-    yield from per_layer("self_attn.o_proj.weight", one("decoder.layers.self_attention.linear_proj.weight"))
-    if ckpt.has("decoder.layers.self_attention.linear_proj.bias"):
-        yield from per_layer("self_attn.o_proj.bias", one("decoder.layers.self_attention.linear_proj.bias"))
-    yield from per_layer("post_attention_layernorm.weight", first("decoder.layers.mlp.linear_fc1.layer_norm_weight",
-                                                                  "decoder.layers.pre_mlp_layernorm.weight"))
-    for name in weight_and_bias("decoder.layers.mlp.linear_fc1"):
-        suffix = name.rsplit(".", 1)[1]
-        gate, up = one(name).chunk(2, dim=1)  # [L, 2 * ffn, (hidden)] = [gate; up]
-        yield from per_layer(f"mlp.gate_proj.{suffix}", gate)
-        yield from per_layer(f"mlp.up_proj.{suffix}", up)
-    yield from per_layer("mlp.down_proj.weight", one("decoder.layers.mlp.linear_fc2.weight"))
-    if ckpt.has("decoder.layers.mlp.linear_fc2.bias"):
-        yield from per_layer("mlp.down_proj.bias", one("decoder.layers.mlp.linear_fc2.bias"))
-    yield "model.norm.weight", one("decoder.final_layernorm.weight")
+    def fc1_part(suffix: str, i: int, part: int) -> torch.Tensor:
+        return layer(f"decoder.layers.mlp.linear_fc1.{suffix}", i).chunk(2, dim=0)[part].contiguous()  # [gate; up]
+
+    plan: list[tuple[str, tuple[int, ...], Producer]] = [
+        ("model.embed_tokens.weight", (vocab_size, hidden),
+         lambda: ckpt.read("embedding.word_embeddings.weight")["embedding.word_embeddings.weight"][:vocab_size])]
+    input_norm = first("decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+                       "decoder.layers.input_layernorm.weight")
+    mlp_norm = first("decoder.layers.mlp.linear_fc1.layer_norm_weight", "decoder.layers.pre_mlp_layernorm.weight")
+    qkv_suffixes = ["weight"] + (["bias"] if ckpt.has("decoder.layers.self_attention.linear_qkv.bias") else [])
+    fc1_suffixes = ["weight"] + (["bias"] if ckpt.has("decoder.layers.mlp.linear_fc1.bias") else [])
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        plan.append((pre + "input_layernorm.weight", (hidden,), lambda i=i: layer(input_norm, i)))
+        for suffix in qkv_suffixes:
+            rest = (hidden,) if suffix == "weight" else ()
+            for part, (proj, rows) in enumerate((("q", heads), ("k", groups), ("v", groups))):
+                plan.append((pre + f"self_attn.{proj}_proj.{suffix}", (rows * head_dim, *rest),
+                             lambda i=i, s=suffix, p=part: qkv_part(s, i, p)))
+        if model.qk_layernorm:
+            for proj in ("q", "k"):
+                plan.append((pre + f"self_attn.{proj}_norm.weight", (head_dim,), lambda i=i, p=proj: layer(
+                    f"decoder.layers.self_attention.{p}_layernorm.weight", i)))
+        plan.append((pre + "self_attn.o_proj.weight", (hidden, heads * head_dim),
+                     lambda i=i: layer("decoder.layers.self_attention.linear_proj.weight", i)))
+        if ckpt.has("decoder.layers.self_attention.linear_proj.bias"):
+            plan.append((pre + "self_attn.o_proj.bias", (hidden,),
+                         lambda i=i: layer("decoder.layers.self_attention.linear_proj.bias", i)))
+        plan.append((pre + "post_attention_layernorm.weight", (hidden,), lambda i=i: layer(mlp_norm, i)))
+        for suffix in fc1_suffixes:
+            rest = (hidden,) if suffix == "weight" else ()
+            for part, proj in enumerate(("gate", "up")):
+                plan.append((pre + f"mlp.{proj}_proj.{suffix}", (ffn, *rest),
+                             lambda i=i, s=suffix, p=part: fc1_part(s, i, p)))
+        plan.append((pre + "mlp.down_proj.weight", (hidden, ffn),
+                     lambda i=i: layer("decoder.layers.mlp.linear_fc2.weight", i)))
+        if ckpt.has("decoder.layers.mlp.linear_fc2.bias"):
+            plan.append((pre + "mlp.down_proj.bias", (hidden,),
+                         lambda i=i: layer("decoder.layers.mlp.linear_fc2.bias", i)))
+    plan.append(("model.norm.weight", (hidden,),
+                 lambda: ckpt.read("decoder.final_layernorm.weight")["decoder.final_layernorm.weight"]))
     if head == "value":
-        yield "score.weight", one("output_layer.weight")  # [outputs, hidden]
+        outputs = ckpt.shapes["output_layer.weight"][0][0]
+        plan.append(("score.weight", (outputs, hidden), lambda: ckpt.read("output_layer.weight")["output_layer.weight"]))
     elif not model.share_embeddings_and_output_weights:
-        yield "lm_head.weight", one("output_layer.weight")[:vocab_size].contiguous()
+        plan.append(("lm_head.weight", (vocab_size, hidden),
+                     lambda: ckpt.read("output_layer.weight")["output_layer.weight"][:vocab_size]))
+    return plan
 
 
-def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, dtype: torch.dtype,
-                  max_shard_bytes: int) -> dict[str, Any]:
-    """Write safetensors shards as tensors arrive; returns {"files": n, "bytes": total, "params": total}."""
-    from safetensors.torch import save_file
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
-    written: list[tuple[str, list[str]]] = []
-    shard: dict[str, torch.Tensor] = {}
-    size = total = params = 0
 
-    def flush() -> None:
-        nonlocal shard, size
-        if shard:
-            name = f"model-{len(written) + 1:05d}.safetensors"
-            save_file(shard, str(out / name), metadata={"format": "pt"})
-            written.append((name, list(shard)))
-            shard, size = {}, 0
+def _write_shards(plan: list[tuple[str, tuple[int, ...], Producer]], out: Path, dtype: torch.dtype,
+                  max_shard_bytes: int, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Write the plan as safetensors shards, streaming: each file's header is written from the planned shapes, then
+    each tensor's bytes as its producer makes them. Returns {"files": n, "bytes": total, "params": total}."""
+    import math
 
-    for name, tensor in tensors:
-        tensor = tensor.to(dtype).contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard and size + nbytes > max_shard_bytes:
-            flush()
-        shard[name] = tensor
-        size, total, params = size + nbytes, total + nbytes, params + tensor.numel()
-    flush()
-    if len(written) == 1:
-        (out / written[0][0]).rename(out / "model.safetensors")
-    else:
-        weight_map = {}
-        for i, (name, keys) in enumerate(written):
-            final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-            (out / name).rename(out / final)
-            weight_map.update(dict.fromkeys(keys, final))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[tuple[str, tuple[int, ...], Producer]]] = [[]]
+    size = 0
+    for entry in plan:
+        nbytes = math.prod(entry[1]) * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1
+             else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    total = params = done = 0
+    weight_map = {}
+    for file_name, shard in zip(names, shards):
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape, _ in shard:
+            nbytes = math.prod(shape) * itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        with open(out / file_name, "wb") as f:
+            f.write(len(blob).to_bytes(8, "little"))
+            f.write(blob)
+            for name, shape, produce in shard:
+                tensor = produce().to(dtype).contiguous()
+                if tuple(tensor.shape) != tuple(shape):
+                    raise HFExportError(f"{name}: produced shape {tuple(tensor.shape)}, planned {shape}")
+                f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+                params += tensor.numel()
+                weight_map[name] = file_name
+                done += 1
+                if progress:
+                    progress(done, len(plan))
+        total += offset
+    if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-    return {"files": len(written), "bytes": total, "params": params}
+    return {"files": len(names), "bytes": total, "params": params}
 
 
 def _tokenizer_files(tokenizer_dir: Path, out: Path) -> dict[str, int | None]:
@@ -296,7 +373,8 @@ def _value_head_note(meta: dict[str, Any], pooling: str | None, bias: list[float
 
 
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
-              dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
+              dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Write the model checkpoint at ``checkpoint`` as an HF model directory ``out_dir`` (created; must not exist).
 
     Policies (LM head) become ``*ForCausalLM``. Reward models and critics (value head) become
@@ -307,7 +385,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
 
     ``tokenizer``: the tokenizer directory to include (default: the one recorded in the checkpoint's meta.json, if it
     still exists; none = no tokenizer files). ``dtype``: the weights' dtype in the files ("float32", "bfloat16",
-    "float16"). Returns a summary: family, architecture, files, parameters, bytes, and the output directory.
+    "float16"). ``progress(done, total)`` is called after each tensor written. Returns a summary: family,
+    architecture, files, parameters, bytes, and the output directory.
     """
     checkpoint, out = Path(checkpoint), Path(out_dir)
     meta = checkpoint_meta(checkpoint)
@@ -343,7 +422,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
         from transformers import GenerationConfig
 
         GenerationConfig(**{k: v for k, v in tokens.items() if v is not None}).save_pretrained(str(tmp))
-    written = _write_shards(hf_tensors(ckpt, model, vocab_size, head), tmp, torch_dtype, max_shard_bytes)
+    written = _write_shards(hf_tensors(ckpt, model, vocab_size, head), tmp, torch_dtype, max_shard_bytes, progress)
     (tmp / "align_pipeline_meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
     os.replace(tmp, out)
     return {"family": family, "architecture": config.architectures[0], "out_dir": str(out),
@@ -415,3 +494,18 @@ def import_hf(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike, tp: int 
         run_dir = Path(work_dir) if work_dir else Path(tmp)
         return run_torchrun("align_pipeline.model.import_job", config, LaunchConfig(nproc_per_node=tp * pp),
                             run_dir, name="import")
+
+
+def progress_printer(label: str, stream=None) -> Callable[[int, int], None]:
+    """A ``progress`` callback printing ``label: k/n tensors`` at every tenth of the way (long exports)."""
+    import sys
+
+    stream = stream or sys.stderr
+    step = {"next": 0.1}
+
+    def show(done: int, total: int) -> None:
+        if done / total >= step["next"] or done == total:
+            print(f"{label}: {done}/{total} tensors written", file=stream, flush=True)
+            step["next"] = done / total + 0.1
+
+    return show
