@@ -7,8 +7,8 @@
    Llama 3.1 RoPE scaling for the 1B preset: Llama-3.2-1B's configuration).
 2. ``align-pipeline import HF CKPT --check``: the time, and ``max |Δlogit|`` Megatron (fp32) vs transformers (fp32).
 3. One SFT step in bf16 from the imported checkpoint (a torchrun job of ``align_pipeline.train.sft``).
-4. ``align-pipeline export CKPT HF --dtype bfloat16`` in its own process: wall time and the process's peak resident
-   memory (``ru_maxrss`` of that child).
+4. ``align-pipeline export CKPT HF --dtype bfloat16`` in its own process: wall time and that process's own peak
+   resident memory (``VmHWM``, reported in its summary).
 5. The export is loaded by ``transformers`` on the GPU and compared with the Megatron checkpoint on the same tokens:
    the HF model upcast to fp32 vs Megatron in fp32 (the conversion itself), and HF in bf16 (what a user serves);
    then it generates a few tokens.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -62,21 +61,17 @@ def make_hf_model(out: Path, preset: dict[str, Any], seed: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_cli_measured(args: list[str]) -> tuple[dict[str, Any], float, float]:
-    """Run ``python -m align_pipeline <args>``; returns (its JSON summary line, wall seconds, that child's own peak
-    resident memory in GiB, reaped with ``os.wait4``)."""
+def run_cli(args: list[str]) -> tuple[dict[str, Any], float]:
+    """Run ``python -m align_pipeline <args>``; returns (its JSON summary line, wall seconds). The export's summary
+    carries its own peak resident memory (``VmHWM``: ``ru_maxrss`` of a child forked from this large process would
+    start at this process's peak)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "align_pipeline", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    out = proc.stdout.read()
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    done = subprocess.run([sys.executable, "-m", "align_pipeline", *args], capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0
-    lines = out.strip().splitlines()
-    if proc.returncode not in (0, 1) or not lines:  # 1 = a parity check above its tolerance (summary printed)
-        raise SystemExit(f"align-pipeline {shlex.join(args)} failed ({proc.returncode}):\n{err[-4000:]}")
-    return json.loads(lines[-1]), wall, usage.ru_maxrss / 1024**2  # KiB -> GiB
+    lines = done.stdout.strip().splitlines()
+    if done.returncode not in (0, 1) or not lines:  # 1 = a parity check above its tolerance (summary printed)
+        raise SystemExit(f"align-pipeline {shlex.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1]), wall
 
 
 def sft_one_step(ckpt: str, data: dict[str, str], seq_length: int, run_dir: Path, bf16: bool) -> dict[str, Any]:
@@ -150,18 +145,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     params = make_hf_model(hf_src, preset, args.seed)
     report: dict[str, Any] = {"preset": args.preset, "parameters": params, "make_hf_s": round(time.perf_counter() - t0, 1)}
 
-    imported, wall, rss = run_cli_measured(["import", str(hf_src), str(ckpt), "--seq-length",
-                                            str(preset["seq_length"]), "--check"])
-    report["import"] = {"wall_s": round(wall, 1), "peak_rss_gib": round(rss, 2),
-                        "max_abs_logit_diff_fp32": imported["max_abs_logit_diff"]}
+    imported, wall = run_cli(["import", str(hf_src), str(ckpt), "--seq-length", str(preset["seq_length"]), "--check"])
+    report["import"] = {"wall_s": round(wall, 1), "max_abs_logit_diff_fp32": imported["max_abs_logit_diff"]}
 
     data = make_copy_data(out / "data", min(preset["vocab_size"], 32000), preset["seq_length"], 64, args.seed)
     bf16 = not args.fp32
     sft = sft_one_step(str(ckpt), data, preset["seq_length"], out / "sft", bf16)
     report["sft"] = {"bf16": bf16, "loss": sft["history"][0]["loss"], "model_dir": sft["model_dir"]}
 
-    summary, wall, rss = run_cli_measured(["export", sft["model_dir"], str(exported), "--dtype", "bfloat16"])
-    report["export"] = {"wall_s": round(wall, 1), "export_s": summary["seconds"], "peak_rss_gib": round(rss, 2),
+    summary, wall = run_cli(["export", sft["model_dir"], str(exported), "--dtype", "bfloat16"])
+    report["export"] = {"wall_s": round(wall, 1), "export_s": summary["seconds"], "peak_rss_gib": summary["peak_rss_gib"],
                         "files": summary["files"], "gib": round(summary["bytes"] / 1024**3, 2),
                         "architecture": summary["architecture"]}
     report["transformers_on_device"] = parity_on_device(sft["model_dir"], exported, preset["vocab_size"],
@@ -185,7 +178,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"| one SFT step ({'bf16' if r['sft']['bf16'] else 'fp32'}) | loss {r['sft']['loss']:.3f} |",
         (f"| export (`align-pipeline export --dtype bfloat16`), wall / in export_hf | {r['export']['wall_s']} s / "
         f"{r['export']['export_s']} s |"),
-        f"| export peak host memory (that process's max RSS) | {r['export']['peak_rss_gib']} GiB |",
+        f"| export peak host memory (the export process's VmHWM) | {r['export']['peak_rss_gib']} GiB |",
         f"| export size | {r['export']['gib']} GiB in {r['export']['files']} file(s), {r['export']['architecture']} |",
         (f"| transformers on {t['device']}, export upcast to fp32 vs Megatron fp32 | max \\|Δlogit\\| = "
         f"{t['max_abs_logit_diff_fp32']:.2e} (argmax agreement {t['argmax_agreement_fp32']:.3f}) |"),

@@ -47,8 +47,21 @@ def export_command(argv: list[str]) -> int:
         print(f"align-pipeline export: {exc}", file=sys.stderr)
         return 2
     summary["seconds"] = round(time.perf_counter() - t0, 2)
+    summary["peak_rss_gib"] = _peak_rss_gib()
     tol = args.tol if args.tol is not None else (1e-4 if args.dtype == "float32" else 5e-2)
     return _report(summary, args.checkpoint, args.hf_dir, tol if args.check else None)
+
+
+def _peak_rss_gib() -> float | None:
+    """This process's own peak resident memory (Linux ``VmHWM``; unlike ``ru_maxrss`` it does not inherit the peak of
+    a large parent that forked it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024**2, 3)  # kB -> GiB
+    except OSError:
+        pass
+    return None
 
 
 def _report(summary: dict, checkpoint: str, hf_dir: str, tol: float | None) -> int:

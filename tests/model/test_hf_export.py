@@ -236,3 +236,23 @@ def test_cli_export(trained):
     refused = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["llama"], str(out)],
                              capture_output=True, text=True, check=False)
     assert refused.returncode == 2 and "exists; export into a new directory" in refused.stderr
+
+
+def test_checkpoints_use_transformer_engine_tensor_names(trained, imported):
+    """Megatron's local spec saves its separate norms under Transformer Engine's fused names (its
+    sharded_state_dict_keys_map), so a checkpoint written under either spec holds the same tensors: TE's
+    TELayerNormColumnParallelLinear (weight + layer_norm_weight), TERowParallelLinear (weight), TENorm (q/k norms,
+    final norm). TE itself cannot run here; this pins the names both specs must agree on."""
+    from align_pipeline.model.hf_export import CheckpointTensors
+
+    _, _, checkpoints = trained
+    _, dirs = imported
+    te_layer = {"self_attention.linear_qkv.weight", "self_attention.linear_qkv.layer_norm_weight",
+                "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc1.layer_norm_weight",
+                "mlp.linear_fc2.weight"}
+    common = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
+    llama = set(CheckpointTensors(checkpoints["llama"]).shapes)  # TP=2 x PP=2, untied
+    assert llama == common | {"output_layer.weight"} | {f"decoder.layers.{k}" for k in te_layer}
+    qwen3 = set(CheckpointTensors(dirs["qwen3"][1]).shapes)  # tied, QK norm
+    assert qwen3 == common | {f"decoder.layers.{k}" for k in te_layer | {
+        "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}}
