@@ -372,6 +372,19 @@ def _value_head_note(meta: dict[str, Any], pooling: str | None, bias: list[float
     return entry, readme
 
 
+def _add_legacy_keys(config_json: Path, model: ModelConfig, dtype: str) -> None:
+    """transformers 5 writes RoPE as ``rope_parameters`` and the dtype as ``dtype``; readers built on transformers 4.x
+    (vLLM releases among them) read ``rope_theta`` / ``rope_scaling`` / ``torch_dtype`` and would silently fall back
+    to theta 10000 without scaling. Both spellings are written (transformers 5 reads the file unchanged)."""
+    cfg = json.loads(config_json.read_text())
+    rope = _rope_parameters(model)
+    cfg["rope_theta"] = rope["rope_theta"]
+    if model.rope_scaling != "none":
+        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    cfg["torch_dtype"] = dtype
+    config_json.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
               dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
@@ -418,6 +431,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
         config.align_pipeline, readme = _value_head_note(meta, pooling, bias)
         (tmp / "README.md").write_text(readme)
     config.save_pretrained(str(tmp))
+    _add_legacy_keys(tmp / "config.json", model, dtype)
     if tokens:
         from transformers import GenerationConfig
 
