@@ -11,7 +11,8 @@
 ``eos_from`` sets ``eos_id`` to a token an earlier case generated; ``score`` adds ``scored_logprobs``, the generated
 tokens' log-probs from a plain training-style forward (one unpadded row, no mask, no cache). Each of ``variants``
 runs its cases (default all) again as ``<prefix><name>`` on a model built with those ParallelConfig / ModelConfig
-overrides (e.g. sequence parallelism, Megatron's local attention).
+overrides (e.g. sequence parallelism, Megatron's local attention); ``mask_ignoring_core_attention`` replaces every
+layer's core attention by :class:`MaskIgnoringAttention` (Transformer Engine's behaviour under a causal mask).
 """
 
 from __future__ import annotations
@@ -80,6 +81,38 @@ def score(model, prompt: list[int], new: list[int], vocab_size: int) -> list[flo
     return logp[rows, targets].tolist()
 
 
+class MaskIgnoringAttention(torch.nn.Module):
+    """Stands in for Transformer Engine's core attention (not installable here) where it matters to generate(): under
+    a causal mask type it applies its own causal mask and ignores ``attention_mask`` (so it cannot left-pad)."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.groups = groups  # query heads per key/value head
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] == k.shape[2])
+        sq, b = query.shape[:2]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [sq, b, np * hn]
+
+
+def install_mask_ignoring_attention(model) -> bool:
+    """Replace every layer's core attention by the stand-in; True when it matches SDPA on an unpadded forward."""
+    tokens = torch.tensor([[1, 5, 9, 4, 7, 3]])
+    model.eval()
+    with torch.no_grad():
+        before = model(tokens, position_ids(tokens), None, runtime_gather_output=True)
+        for layer in model.decoder.layers:
+            core = layer.self_attention.core_attention
+            groups = core.num_attention_heads_per_partition // core.num_query_groups_per_partition
+            layer.self_attention.core_attention = MaskIgnoringAttention(groups)
+        after = model(tokens, position_ids(tokens), None, runtime_gather_output=True)
+    model.train()
+    return bool(torch.allclose(before, after, atol=1e-5))
+
+
 def sequence_parallel_switches(model) -> list:
     """Every sequence-parallel flag of the model (generate() turns them off and must restore them)."""
     attrs = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
@@ -101,9 +134,14 @@ def main() -> None:
         model = build_gpt(dataclasses.replace(source.model, **variant.get("model", {})), par, source.vocab_size,
                           dist.pgs)
         source.load(model)
+        if variant.get("mask_ignoring_core_attention"):
+            results[variant["prefix"] + "stand_in_is_causal"] = install_mask_ignoring_attention(model)
         before = sequence_parallel_switches(model)
+        cores = [type(layer.self_attention.core_attention) for layer in model.decoder.layers]
         results.update(run_cases(model, cfg, variant["prefix"], variant.get("cases")))
         results[variant["prefix"] + "switches_restored"] = sequence_parallel_switches(model) == before
+        results[variant["prefix"] + "core_attention_restored"] = cores == [
+            type(layer.self_attention.core_attention) for layer in model.decoder.layers]
     if dist.rank == 0:
         (Path(cfg["run_dir"]) / "result.json").write_text(json.dumps(results))
     shutdown()

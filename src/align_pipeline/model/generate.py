@@ -22,8 +22,9 @@ How it works:
   full-vocab logits and the same seeded generator; the chosen tokens are still broadcast from TP rank 0 so ranks can
   never drift apart. Pipeline parallelism is not supported.
 * **Attention backends.** Needs a core attention that honours an explicit mask: ``sdpa`` (:class:`SDPAttention`) or
-  Megatron's ``local`` one. Transformer Engine ignores the mask under a causal mask type, so it is refused when the
-  prompts have different lengths.
+  Megatron's ``local`` one. Transformer Engine's ignores the mask under a causal mask type, so under TE's layer spec
+  each layer's core attention is swapped for :class:`SDPAttention` for the duration of the call (TE's fused linear
+  layers and norms keep running).
 """
 
 from __future__ import annotations
@@ -115,8 +116,6 @@ def generate(
     b = len(prompts)
     prompt_len = max(len(p) for p in prompts)
     padded = any(len(p) < prompt_len for p in prompts)
-    if padded:
-        _require_explicit_mask_support(gpt)
     if tp_group is None:
         tp_group = gpt.pg_collection.tp
     broadcast_src = tdist.get_global_rank(tp_group, 0) if tp_group is not None and tp_group.size() > 1 else None
@@ -135,7 +134,7 @@ def generate(
     generator = torch.Generator(device=device).manual_seed(seed)
 
     steps = 0
-    with _inference_mode(model, gpt):
+    with _inference_mode(model, gpt), _mask_honouring_attention(gpt):
         for step in range(max_new_tokens):
             end = prompt_len + step  # columns [0, end) are known; this step predicts column `end`
             start = 0 if context is None or step == 0 else end - 1  # with the cache, only the new column is fed
@@ -250,12 +249,26 @@ def _attention_mask(real: torch.Tensor, sq: int) -> torch.Tensor:
     return ~keep
 
 
-def _require_explicit_mask_support(gpt) -> None:
-    """Left padding needs a core attention that applies our explicit mask (SDPA or Megatron's local one)."""
+@contextlib.contextmanager
+def _mask_honouring_attention(gpt):
+    """Generation applies its own masks (left padding; bottom-right causal while decoding with the cache). Transformer
+    Engine's core attention ignores an explicit mask under a causal mask type, so for the duration of a generate()
+    call every layer whose core attention is neither :class:`SDPAttention` nor Megatron's local one gets an
+    :class:`SDPAttention` with the same config, layer number and mask type (core attention has no weights); the
+    original is put back on exit. TE's linear layers and norms keep running."""
+    swapped = []
     for layer in gpt.decoder.layers:
-        core = layer.self_attention.core_attention
-        if not isinstance(core, (SDPAttention, DotProductAttention)):
-            raise NotImplementedError(
-                f"generate() with prompts of different lengths needs attention_backend 'sdpa' or 'local'; "
-                f"{type(core).__name__} ignores the explicit padding mask under a causal mask type"
-            )
+        attn = layer.self_attention
+        core = attn.core_attention
+        if isinstance(core, (SDPAttention, DotProductAttention)):
+            continue
+        replacement = SDPAttention(config=getattr(core, "config", attn.config), layer_number=attn.layer_number,
+                                   attn_mask_type=attn.attn_mask_type, attention_type=attn.attention_type,
+                                   softmax_scale=attn.config.softmax_scale, pg_collection=attn.pg_collection)
+        swapped.append((attn, core))
+        attn.core_attention = replacement
+    try:
+        yield
+    finally:
+        for attn, core in swapped:
+            attn.core_attention = core
