@@ -69,13 +69,11 @@ def _report(summary: dict, checkpoint: str, hf_dir: str, tol: float | None) -> i
     import json
     import tempfile
 
-    from align_pipeline.model.hf_export import check_parity
-
     if tol is None:
         print(json.dumps(summary))
         return 0
     from align_pipeline.launch import LaunchError
-    from align_pipeline.model.hf_export import HFExportError
+    from align_pipeline.model.hf_export import HFExportError, check_parity
 
     with tempfile.TemporaryDirectory(prefix="align-check-") as work:
         try:
