@@ -7,6 +7,7 @@ entry point, the launcher and the checkpoint code. Tolerances: fp32 on CPU; redu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,12 @@ def test_resume_is_exact(data, reference, tmp_path, nproc, parallel):
     a = _logits(straight["model_dir"], 1, tmp_path / "la", tokens)
     b = _logits(resumed["model_dir"], 1, tmp_path / "lb", tokens)
     assert np.array_equal(a, b)
+    if nproc == 1:  # once more: it resumes at the final step and still reports the last step's train loss
+        again = run_sft(sft_job(data, run_dir, parallel=parallel), nproc=nproc)
+        assert again["history"] == [] and again["step"] == 6
+        assert again["train_loss"] == resumed["train_loss"] is not None
+        meta = json.loads((Path(again["model_dir"]) / "meta.json").read_text())
+        assert meta["metrics"]["train_loss"] == resumed["train_loss"]
 
 
 def test_world_size_4_tp2_dp2_matches_world_size_1(data, reference, tmp_path):

@@ -88,10 +88,9 @@ def main(job: DPOJob) -> dict:
                     "logps_chosen", "logps_rejected"] + (["sft_loss", "loss"] if lc.sft_weight else [])
     tokens_per_step = cfg.global_batch_size * seq_length * train.rows_per_sample
     ckpts = Checkpoints.for_training({"model": (policy, paths.run_dir)}, cfg, job, "dpo", dist)
-    step, runlog = supervised.start("dpo", job, ckpts, cfg, dist, logger)
+    step, runlog, metrics = supervised.start("dpo", job, ckpts, cfg, dist, logger)
 
     # ---- the loop: step, validate, log, checkpoint ----
-    metrics: dict[str, float] = {}
     while step < cfg.train_steps:
         t0 = time.perf_counter()
         m = train_step(policy, train.microbatches(step), loss, metric_names, dist, seq_length)
@@ -101,7 +100,7 @@ def main(job: DPOJob) -> dict:
             metrics.update(evaluate_loss(policy.model, val, loss, metric_names, loss_name, cfg.eval_samples, dist,
                                          seq_length))
         supervised.record(runlog, step, metrics)
-        if ckpts.after_step(step, supervised.data_position(step, cfg)):
+        if ckpts.after_step(step, supervised.data_position(step, cfg, metrics)):
             return runlog.stopped(step, paths.run_dir, ckpts.started_at)
 
     final = evaluate_loss(policy.model, val, loss, metric_names, loss_name, cfg.eval_samples, dist, seq_length)

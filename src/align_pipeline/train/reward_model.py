@@ -93,10 +93,9 @@ def main(job: RewardModelJob) -> dict:
     seq_length = source.model.seq_length
     tokens_per_step = cfg.global_batch_size * seq_length * train.rows_per_sample
     ckpts = Checkpoints.for_training({"model": (model, paths.run_dir)}, cfg, job, "reward_model", dist)
-    step, runlog = supervised.start("reward_model", job, ckpts, cfg, dist, logger)
+    step, runlog, metrics = supervised.start("reward_model", job, ckpts, cfg, dist, logger)
 
     # ---- the loop: step, validate, log, checkpoint ----
-    metrics: dict[str, float] = {}
     while step < cfg.train_steps:
         t0 = time.perf_counter()
         m = train_step(model, train.microbatches(step), loss, metric_names, dist, seq_length)
@@ -106,7 +105,7 @@ def main(job: RewardModelJob) -> dict:
             metrics.update(evaluate_loss(model.model, val, loss, metric_names, "rm_loss", cfg.eval_samples, dist,
                                          seq_length))
         supervised.record(runlog, step, metrics)
-        if ckpts.after_step(step, supervised.data_position(step, cfg)):
+        if ckpts.after_step(step, supervised.data_position(step, cfg, metrics)):
             return runlog.stopped(step, paths.run_dir, ckpts.started_at)
 
     final = evaluate_loss(model.model, val, loss, metric_names, "rm_loss", cfg.eval_samples, dist, seq_length)

@@ -58,10 +58,9 @@ def main(job: SFTJob) -> dict:
     loss, seq_length = sft_loss(source.vocab_size, dist.tp_rank), source.model.seq_length
     tokens_per_step = cfg.global_batch_size * seq_length * train.rows_per_sample
     ckpts = Checkpoints.for_training({"model": (policy, paths.run_dir)}, cfg, job, "sft", dist)
-    step, runlog = supervised.start("sft", job, ckpts, cfg, dist, logger)
+    step, runlog, metrics = supervised.start("sft", job, ckpts, cfg, dist, logger)
 
     # ---- the loop: step, validate, log, checkpoint ----
-    metrics: dict[str, float] = {}
     while step < cfg.train_steps:
         t0 = time.perf_counter()
         m = train_step(policy, train.microbatches(step), loss, METRICS, dist, seq_length)
@@ -71,7 +70,7 @@ def main(job: SFTJob) -> dict:
             metrics.update(evaluate_loss(policy.model, val, loss, METRICS, "lm_loss", cfg.eval_samples, dist,
                                          seq_length))
         supervised.record(runlog, step, metrics)
-        if ckpts.after_step(step, supervised.data_position(step, cfg)):
+        if ckpts.after_step(step, supervised.data_position(step, cfg, metrics)):
             return runlog.stopped(step, paths.run_dir, ckpts.started_at)
 
     final = evaluate_loss(policy.model, val, loss, METRICS, "lm_loss", cfg.eval_samples, dist, seq_length)

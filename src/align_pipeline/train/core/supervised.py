@@ -14,21 +14,27 @@ from align_pipeline.train.core.optimizer import peak_memory_gib
 from align_pipeline.train.core.progress import RunLog, log
 
 
-def start(stage: str, job, ckpts: Checkpoints, cfg: TrainingConfig, dist: Dist, logger) -> tuple[int, RunLog]:
+def start(stage: str, job, ckpts: Checkpoints, cfg: TrainingConfig, dist: Dist, logger
+          ) -> tuple[int, RunLog, dict[str, float]]:
     """Resume from the newest complete checkpoint (checking its data position), log the job as MLflow params, and
-    open the run log; returns (first step to run, run log)."""
+    open the run log; returns (first step to run, run log, the metrics of the step the checkpoint was taken after:
+    a run resumed at its final step reports them instead of nothing)."""
     step, state = ckpts.resume()
+    last: dict[str, float] = {}
     if state is not None:
         if state["consumed_samples"] != step * cfg.global_batch_size:
             raise RuntimeError(f"checkpoint data position {state['consumed_samples']} does not match step {step}")
+        last = dict(state.get("last_metrics") or {})
         log(dist, f"[{stage}] resumed at step {step} from {job.paths.run_dir}")
     logger.log_params({"job": to_dict(job), "world_size": dist.world_size, "resumed_from_step": step})
-    return step, RunLog(stage, dist, logger, cfg.train_steps, step, cfg.log_interval)
+    return step, RunLog(stage, dist, logger, cfg.train_steps, step, cfg.log_interval), last
 
 
-def data_position(step: int, cfg: TrainingConfig) -> dict[str, int]:
-    """The train state a checkpoint keeps: the step and the samples consumed (batches are a function of the step)."""
-    return {"step": step, "consumed_samples": step * cfg.global_batch_size}
+def data_position(step: int, cfg: TrainingConfig, last: dict[str, float] | None = None) -> dict[str, Any]:
+    """The train state a checkpoint keeps: the step, the samples consumed (batches are a function of the step) and
+    the metrics of that step (``last``)."""
+    return {"step": step, "consumed_samples": step * cfg.global_batch_size,
+            "last_metrics": {k: float(v) for k, v in (last or {}).items()}}
 
 
 def eval_due(step: int, cfg: TrainingConfig) -> bool:
@@ -57,7 +63,7 @@ def finish(stage: str, job, ckpts: Checkpoints, runlog: RunLog, step: int, cfg: 
     stage-specific fields), result.json."""
     runlog.progress.print(step, {**last, **final})
     runlog.logger.log_metrics(final, step)
-    ckpts.save(step, data_position(step, cfg))
+    ckpts.save(step, data_position(step, cfg, last))
     dirs = ckpts.export(step, {
         "stage": stage, "tokenizer": {"path": str(job.paths.tokenizer), "fingerprint": tok.fingerprint},
         "saved_with_parallel": to_dict(job.parallel), "metrics": {**final, "train_loss": last.get("loss")},
