@@ -12,10 +12,12 @@ import types
 import typing
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
+from align_pipeline.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is missing, unknown or of the wrong type."""
 
 

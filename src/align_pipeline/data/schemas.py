@@ -22,13 +22,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from align_pipeline.errors import UserError
+
 from .formats import bytes_sha256
 
 Kind = Literal["sft", "preference", "prompts"]
 KINDS: tuple[str, ...] = ("sft", "preference", "prompts", "regression")
 
 
-class DataValidationError(ValueError):
+class DataValidationError(UserError, ValueError):
     """A raw data file does not match its schema; the message names the file, line and field."""
 
 
