@@ -160,7 +160,13 @@ def _run_interrupted(tmp_path, action, expected):
 
 
 def test_ctrl_c_stops_the_whole_job(tmp_path):
-    _run_interrupted(tmp_path, lambda: os.kill(os.getpid(), signal.SIGINT), KeyboardInterrupt)
+    # Python's own Ctrl-C handler, whatever this process inherited: a suite started in the background by a script
+    # has SIGINT ignored, and the signal would then never arrive (test_launch_faults covers that case with SIGTERM).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _run_interrupted(tmp_path, lambda: os.kill(os.getpid(), signal.SIGINT), KeyboardInterrupt)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_exception_in_parent_stops_the_whole_job(tmp_path):

@@ -2,7 +2,9 @@
 
     python -m torch.distributed.run --nproc-per-node 2 -m toy_entry --config cfg.json
 
-config: run_dir, mode ("ok" | "fail" | "hang" | "no_result"), steps, fail_rank.
+config: run_dir, mode ("ok" | "fail" | "hang" | "no_result" | "fill"), steps, fail_rank, fork_child (each rank forks
+a child that sleeps, as a checkpoint writer would, and names it in ``child<rank>``). ``fill`` writes to the run
+directory until the disk is full.
 """
 
 import argparse
@@ -31,6 +33,17 @@ def main() -> None:
     print(f"rank {rank} on stderr", file=sys.stderr)
     if mode == "fail" and rank == cfg.get("fail_rank", 1):
         raise ValueError(f"boom from rank {rank}")
+    if cfg.get("fork_child"):
+        child = os.fork()
+        if child == 0:  # a forked helper: sleeps until killed, never runs the training code
+            while True:
+                time.sleep(1)
+        (run_dir / f"child{rank}").write_text(str(child))
+    if mode == "fill":
+        with open(run_dir / f"filler{rank}", "wb") as f:
+            while True:
+                f.write(b"x" * (1 << 20))
+                f.flush()
 
     log = RunLogger(rank, system_metrics=True)
     log.log_params({"toy": {"steps": steps, "mode": mode}})

@@ -3,6 +3,7 @@
 from align_pipeline.launch.torchrun import (
     LaunchError,
     LaunchInterrupted,
+    RunDirBusy,
     build_command,
     build_env,
     free_port,
@@ -14,6 +15,7 @@ from align_pipeline.launch.torchrun import (
 __all__ = [
     "LaunchError",
     "LaunchInterrupted",
+    "RunDirBusy",
     "build_command",
     "build_env",
     "free_port",

@@ -9,17 +9,30 @@ behaves like ``python -m <module> --config <json>`` with two additions:
 - if the entry point raises (or exits non-zero), ``<log_dir>/rank<RANK>.exit.json`` records the rank, exit code,
   exception and a precise time, so the launcher can tell the rank that failed first from the ranks that then failed
   because a peer went away. The exception is also recorded through torchelastic's ``record`` (torchrun's own summary),
-  and its traceback is printed without this shim's frames, so a log's tail shows the entry point's own frames.
+  and its traceback is printed without this shim's frames, so a log's tail shows the entry point's own frames;
+- ``<log_dir>/rank<RANK>.pid`` names the rank's process, so the launcher can see when it dies (a rank killed by a
+  signal writes no exit record);
+- the rank dies with its torchrun agent: a watchdog thread sees the agent go (the rank is re-parented) and kills the
+  rank's process group – the rank and every child it forked, e.g. a checkpoint writer – so a SIGKILLed agent leaves
+  no rank training on;
+- with ``ALIGN_RUN_LOCK`` set (the launcher sets it), the rank holds a shared ``flock`` on that file for its whole
+  life (its forked children inherit it), so the launcher refuses a second job in the same run directory while any
+  process of this one lives.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import runpy
+import signal
 import sys
+import threading
 import time
 from types import TracebackType
+
+WATCHDOG_INTERVAL_S = 0.2
 
 
 def _redirect_output(path: str) -> None:
@@ -47,6 +60,42 @@ def _write_exit(log_dir: str, rank: int, exitcode: int, error: str) -> None:
         pass
 
 
+def _hold_run_lock(path: str | None) -> int | None:
+    """Take a shared lock on the job's lock file (kept until the process and its forked children are gone)."""
+    if not path:
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def _write_pid(log_dir: str, rank: int) -> None:
+    path = os.path.join(log_dir, f"rank{rank}.pid")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"rank": rank, "pid": os.getpid(), "time": time.time()}, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def _die_with_agent(agent_pid: int, interval: float = WATCHDOG_INTERVAL_S) -> None:
+    """Start a daemon thread that kills this rank's process group once the agent (our parent) is gone."""
+
+    def watch() -> None:
+        while os.getppid() == agent_pid and agent_pid != 1:  # 1: the agent was gone before we looked
+            time.sleep(interval)
+        try:
+            os.write(2, f"torchrun agent (pid {agent_pid}) is gone: stopping this rank and its children\n".encode())
+        except OSError:
+            pass
+        if os.getpgrp() == os.getpid():  # torchrun starts each rank in its own session: the group is the rank's
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="align-die-with-agent", daemon=True).start()
+
+
 def _without_shim_frames(tb: TracebackType | None, shim_files: set[str]) -> TracebackType | None:
     while tb is not None and tb.tb_frame.f_code.co_filename in shim_files:
         tb = tb.tb_next
@@ -56,7 +105,11 @@ def _without_shim_frames(tb: TracebackType | None, shim_files: set[str]) -> Trac
 def main(argv: list[str] | None = None) -> None:
     log_dir, module, *args = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
+    agent_pid = os.getppid()
+    _die_with_agent(agent_pid)
+    _hold_run_lock(os.environ.get("ALIGN_RUN_LOCK"))
     _redirect_output(os.path.join(log_dir, f"rank{rank}.log"))
+    _write_pid(log_dir, rank)
     sys.argv = [module, *args]
 
     def run_entry_point() -> None:

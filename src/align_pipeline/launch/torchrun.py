@@ -30,11 +30,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import errno
+import fcntl
 import json
 import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from align_pipeline.config import LaunchConfig, from_dict
+from align_pipeline.errors import UserError
 from align_pipeline.tracking.mlflow_logger import child_run_env
 
 logger = logging.getLogger("align_pipeline.launch")
@@ -60,7 +64,7 @@ class LaunchInterrupted(SystemExit):
     """The parent got SIGTERM while a job ran; the job was stopped. Exits the process with 128 + 15 if uncaught."""
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError):
     """A torchrun job failed. ``rank``/``exitcode`` are those of the first failing rank (None when unknown)."""
 
     def __init__(
@@ -77,6 +81,115 @@ class LaunchError(RuntimeError):
         self.rank = rank
         self.exitcode = exitcode
         self.log_path = log_path
+
+
+class RunDirBusy(UserError, RuntimeError):
+    """Another job (or what is left of one) still runs in this run directory."""
+
+
+LOCK_NAME = ".lock"
+
+
+class _RunDirLock:
+    """An exclusive ``flock`` on ``<run_dir>/.lock`` while no process of another job holds it.
+
+    The launcher takes it exclusively, writes who it is, then downgrades to shared before starting torchrun; every
+    rank takes it shared too (``ALIGN_RUN_LOCK``, see :mod:`align_pipeline.launch._worker`) and its forked children
+    inherit it. So a second launcher is refused while the first launcher, any of its ranks, or any child a rank forked
+    is alive – even if the first launcher was killed.
+    """
+
+    def __init__(self, run_dir: Path, label: str) -> None:
+        self.path, self.label, self.fd = run_dir / LOCK_NAME, label, -1
+
+    def __enter__(self) -> _RunDirLock:  # noqa: PYI034
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 4096, 0).decode(errors="replace")
+            os.close(self.fd)
+            raise RunDirBusy(_busy_message(self.path, holder)) from None
+        os.ftruncate(self.fd, 0)
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "job": self.label, "since": time.time()}
+        os.pwrite(self.fd, json.dumps(info).encode(), 0)
+        fcntl.flock(self.fd, fcntl.LOCK_SH)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        os.close(self.fd)  # releases our share; the ranks' shares go with their processes
+
+
+def _busy_message(path: Path, holder: str) -> str:
+    try:
+        info = json.loads(holder)
+        pid, host = int(info["pid"]), info.get("host", "?")
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
+        who = f"job {info.get('job')!r} started by PID {pid} on {host} at {since}"
+        if host == socket.gethostname() and not _pid_alive(pid):
+            who += f" (PID {pid} is gone, but processes of its job still hold the lock)"
+    except (ValueError, KeyError, TypeError):
+        who = "another job"
+    holders = _lock_holders(path)
+    return (
+        f"run directory {path.parent} is in use by {who}; two jobs must never train in one run directory. "
+        f"Wait for it to finish or stop it"
+        + (f" (processes holding {path.name}: {', '.join(map(str, holders))})" if holders else "")
+        + "."
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock_holders(path: Path) -> list[int]:
+    """PIDs of this machine's processes that have ``path`` open (best effort: /proc/<pid>/fd)."""
+    target, pids = str(path.resolve()), []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if any(os.readlink(fd) == target for fd in (entry / "fd").iterdir()):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return sorted(pid for pid in pids if pid != os.getpid())
+
+
+class _RankWatch:
+    """Notes when each rank's process (named by the shim's ``rank<N>.pid``) is first seen gone: a rank killed by a
+    signal leaves no exit record, and its peers fail a moment later with "connection reset"."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir, self.pids, self.gone_at = log_dir, {}, {}
+        self._next_scan = 0.0
+
+    def poll(self) -> None:
+        now = time.time()
+        if now >= self._next_scan:  # new pid files: a few times a second is plenty
+            self._next_scan = now + 0.5
+            for path in self.log_dir.glob("rank*.pid"):
+                try:
+                    record = json.loads(path.read_text())
+                    self.pids.setdefault(int(record["rank"]), int(record["pid"]))
+                except (OSError, ValueError, KeyError):
+                    pass
+        for rank, pid in self.pids.items():
+            if rank not in self.gone_at and not _process_running(pid):
+                self.gone_at[rank] = now
+
+
+def _process_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return _pid_alive(pid) if not os.path.isdir("/proc") else False
 
 
 def resolve_backend(backend: str) -> str:
@@ -298,47 +411,117 @@ def _torchrun_failures(agent_log: str) -> tuple[tuple[int, int] | None, dict[int
     return root, codes
 
 
-def _first_failure(log_dir: Path, agent_log: str) -> tuple[int | None, int | None, str | None]:
-    """(rank, exitcode, error) of the rank that failed first; (None, None, None) when it cannot be told."""
+_PEER_FAILURE = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|ECONNRESET|EPIPE|Connection refused|DistNetworkError|"
+    r"DistBackendError|remote process exited|NCCL communicator was aborted|Socket Timeout|Timed out waiting|"
+    r"ProcessGroupNCCL.*(abort|timeout)|torchrun agent \(pid \d+\) is gone",
+    re.IGNORECASE,
+)
+_NO_SPACE = re.compile(r"No space left on device|ENOSPC|\[Errno 28\]|Disk quota exceeded|\[Errno 122\]")
+_SIGNALS = {int(s): s.name for s in signal.Signals}
+
+
+@dataclasses.dataclass
+class _Failure:
+    rank: int | None
+    exitcode: int | None
+    error: str | None
+
+
+def _first_failure(log_dir: Path, agent_log: str, gone_at: Mapping[int, float] | None = None) -> _Failure:
+    """The rank that failed first – by an exception or by a signal – and not one that failed because a peer went.
+
+    Evidence: the shim's ``rank<N>.exit.json`` (exception and time), torchrun's failure summary (exit codes, negative
+    for a signal), and when the launcher first saw each rank's process gone (``gone_at``). In order: the earliest of
+    (a rank whose own error is not a lost peer, a rank killed by a signal other than torchrun's SIGTERM tear-down);
+    else the earliest lost-peer error; else a SIGTERMed rank; else torchrun's root cause.
+    """
     root, codes = _torchrun_failures(agent_log)
-    exits = []
+    gone_at = dict(gone_at or {})
+    records = {}
     for path in log_dir.glob("rank*.exit.json"):
         try:
-            exits.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
+            record = json.loads(path.read_text())
+            records[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError):
             pass
-    if exits:
-        first = min(exits, key=lambda e: e.get("time", float("inf")))
-        rank = int(first["rank"])
-        # The code the rank itself exited with; torchrun may report a later SIGTERM (-15) if it tore the rank down
-        # while it was still exiting.
-        exitcode = first.get("exitcode")
-        return rank, exitcode if exitcode is not None else codes.get(rank), first.get("error")
+    primary, secondary, terminated = [], [], []
+    for rank, record in records.items():
+        exitcode = record.get("exitcode")  # the rank's own; torchrun may report a later SIGTERM of its tear-down
+        failure = (record.get("time", float("inf")), rank, exitcode if exitcode is not None else codes.get(rank),
+                   record.get("error"))  # fmt: skip
+        (secondary if _PEER_FAILURE.search(record.get("error") or "") else primary).append(failure)
+    for rank, code in codes.items():
+        if rank in records or code >= 0:
+            continue
+        name = _SIGNALS.get(-code, f"signal {-code}")
+        failure = (gone_at.get(rank, float("inf")), rank, code, f"killed by {name}")
+        (terminated if -code == signal.SIGTERM else primary).append(failure)
+    for group in (primary, secondary, terminated):
+        if group:
+            _, rank, exitcode, error = min(group, key=lambda f: (f[0], f[1]))
+            return _Failure(rank, exitcode, error)
     if root is not None:
-        return root[0], root[1], None
-    return None, None, None
+        return _Failure(root[0], root[1], None)
+    return _Failure(None, None, None)
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        name = _SIGNALS.get(-exitcode, f"signal {-exitcode}")
+        hint = " – the kernel's out-of-memory killer sends it when RAM runs out" if -exitcode == signal.SIGKILL else ""
+        return f"was killed by {name} (exit code {exitcode}{hint})"
+    return f"exited with code {exitcode}"
+
+
+def _disk_full_note(run_dir: Path, texts: list[str]) -> str:
+    """A line naming ENOSPC when a log says so or the run directory's file system has (almost) no room left."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        free = None
+    said = any(_NO_SPACE.search(t) for t in texts)
+    if not said and (free is None or free > 1 << 20):
+        return ""
+    room = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
+    return (f"No space left on device (ENOSPC): the file system of {run_dir} is full ({room}); free space or point "
+            f"runs_dir elsewhere, then rerun (the job resumes from its last checkpoint)\n")  # fmt: skip
 
 
 def _failure_message(
-    label: str, module: str, returncode: int, log_dir: Path, launch: LaunchConfig
-) -> tuple[str, int | None, int | None, Path | None]:
+    label: str, module: str, returncode: int, log_dir: Path, launch: LaunchConfig,
+    gone_at: Mapping[int, float] | None = None,
+) -> tuple[str, int | None, int | None, Path | None]:  # fmt: skip
     agent_path = log_dir / "torchrun.log"
     agent_log = agent_path.read_text(errors="replace") if agent_path.exists() else ""
-    rank, exitcode, error = _first_failure(log_dir, agent_log)
-    n = launch.log_tail_lines
+    failure = _first_failure(log_dir, agent_log, gone_at)
+    rank, n = failure.rank, launch.log_tail_lines
     rank_log = log_dir / f"rank{rank}.log" if rank is not None else None
     if rank is not None:
-        head = f"torchrun job {label!r} (module {module}) failed: rank {rank} exited with code {exitcode}"
-        head += f" ({error})" if error else ""
+        head = f"torchrun job {label!r} (module {module}) failed: rank {rank} {_describe_exit(failure.exitcode)}"
+        head += f" ({failure.error})" if failure.error and not failure.error.startswith("killed by") else ""
+    elif returncode < 0:
+        head = f"torchrun job {label!r} (module {module}) failed: the torchrun agent {_describe_exit(returncode)}"
     else:
         head = f"torchrun job {label!r} (module {module}) failed: torchrun exited with code {returncode}"
-    if rank_log is not None and rank_log.exists():
+    if rank_log is not None and rank_log.exists() and rank_log.stat().st_size:
         body = f"last {n} lines of rank {rank}'s log {rank_log}:\n{_tail(rank_log, n)}"
+        texts = [body, failure.error or ""]
     else:
-        where = " (on another node)" if rank is not None else ""
-        body = f"rank log not found here{where}; last {n} lines of the torchrun log {agent_path}:\n"
-        body += _tail(agent_path, n)
-    return f"{head}\n{body}\n(all logs: {log_dir})", rank, exitcode, rank_log
+        # No rank to blame, or its log is missing or empty (another node, a full disk): show every log there is.
+        where = " (on another node)" if rank is not None and rank_log is not None and not rank_log.exists() else ""
+        parts = [f"rank {rank}'s log not found here{where}"] if rank is not None else []
+        logs = sorted(log_dir.glob("rank*.log"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+        logs = [p for p in logs if p.stat().st_size] + ([agent_path] if agent_log.strip() else [])
+        for path in logs:
+            parts.append(f"last {n} lines of {path}:\n{_tail(path, n)}")
+        if not logs:
+            parts.append(f"every log in {log_dir} is empty")
+        body = "\n".join(parts)
+        texts = [body]
+    texts += [_tail(p, n) for p in log_dir.glob("rank*.log")] + [agent_log[-4000:]]
+    note = _disk_full_note(log_dir.parent, texts)
+    return f"{head}\n{note}{body}\n(all logs: {log_dir})", rank, failure.exitcode, rank_log
 
 
 def run_torchrun(
@@ -371,9 +554,24 @@ def run_torchrun(
     launch = _as_launch_config(launch)
     run_dir = Path(run_dir).resolve()
     log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    label = name or module
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with _RunDirLock(run_dir, label):
+            return _launch_locked(module, config, launch, run_dir, env, label)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise LaunchError(f"torchrun job {label!r} (module {module}) could not start: {exc}\n"
+                              f"{_disk_full_note(run_dir, [str(exc)])}", module=module) from exc  # fmt: skip
+        raise
+
+
+def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig, run_dir: Path,
+                   env: Mapping[str, Any] | None, label: str) -> dict[str, Any]:  # fmt: skip
+    log_dir = run_dir / "logs"
     result_path, config_path = run_dir / "result.json", run_dir / "config.json"
-    for stale in [result_path, *log_dir.glob("rank*.log"), *log_dir.glob("rank*.exit.json")]:
+    stale_files = ("rank*.log", "rank*.exit.json", "rank*.pid")
+    for stale in [result_path, *(path for pattern in stale_files for path in log_dir.glob(pattern))]:
         stale.unlink(missing_ok=True)
 
     config = dict(config)
@@ -388,7 +586,7 @@ def run_torchrun(
     backend = resolve_backend(launch.backend)
     cmd = build_command(module, config_path, launch, log_dir)
     job_env = build_env(launch, backend, env)
-    label = name or module
+    job_env["ALIGN_RUN_LOCK"] = str(run_dir / LOCK_NAME)
     stream_rank = launch.node_rank * launch.nproc_per_node
     logger.info(
         "%s: torchrun %d node(s) x %d proc(s), backend %s, logs %s",
@@ -405,6 +603,7 @@ def run_torchrun(
         lambda line: logger.info("[%s] %s", label, line, extra={"markup": False}),
     )
 
+    watch = _RankWatch(log_dir)
     start = time.monotonic()
     proc: subprocess.Popen | None = None
     try:
@@ -420,6 +619,7 @@ def run_torchrun(
             )
             while proc.poll() is None:
                 follower.pump()
+                watch.poll()
                 time.sleep(_POLL_S)
             follower.pump(final=True)
     except BaseException as exc:
@@ -436,7 +636,9 @@ def run_torchrun(
 
     elapsed = time.monotonic() - start
     if proc.returncode != 0:
-        message, rank, exitcode, rank_log = _failure_message(label, module, proc.returncode, log_dir, launch)
+        message, rank, exitcode, rank_log = _failure_message(
+            label, module, proc.returncode, log_dir, launch, watch.gone_at
+        )
         raise LaunchError(message, module=module, rank=rank, exitcode=exitcode, log_path=rank_log)
     if not result_path.exists():
         if launch.node_rank != 0:  # rank 0 (and its result.json) lives on the master node
@@ -457,6 +659,7 @@ def run_torchrun(
 __all__ = [
     "LaunchError",
     "LaunchInterrupted",
+    "RunDirBusy",
     "build_command",
     "build_env",
     "free_port",
