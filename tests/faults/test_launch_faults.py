@@ -70,7 +70,7 @@ def test_sigkilled_agent_takes_its_ranks_and_their_children_along(tmp_path):
     _wait_for([tmp_path / f"child{r}" for r in (0, 1)])
     ranks, children = _pids(tmp_path, "pid"), _pids(tmp_path, "child")
     agent = psutil.Process(ranks[0]).parent()
-    assert "torch.distributed.run" in " ".join(agent.cmdline())
+    assert "align_pipeline.launch._agent" in " ".join(agent.cmdline())
     agent.kill()
     job.join(60)
     assert not job.is_alive()
@@ -184,3 +184,25 @@ def test_sigterm_stops_a_job_whose_launcher_ignores_sigint(tmp_path):
     assert "exit 143" in out
     _, alive = psutil.wait_procs(job, timeout=15)
     assert not [p for p in alive if not _gone(p.pid)], f"orphans left: {alive}"
+
+
+def test_a_single_node_job_listens_on_loopback_only(tmp_path):
+    """Item 11: the rendezvous store of a single-node job (and every other socket of it) is bound to 127.0.0.1."""
+    job = _Job(tmp_path, HANG)
+    job.start()
+    _wait_for([tmp_path / f"pid{r}" for r in (0, 1)])
+    ranks = _pids(tmp_path, "pid")
+    agent = psutil.Process(ranks[0]).parent()
+    try:
+        listening = [
+            (proc.pid, conn.laddr)
+            for proc in [agent, *agent.children(recursive=True)]
+            for conn in proc.net_connections(kind="inet")
+            if conn.status == psutil.CONN_LISTEN
+        ]
+        port = int(agent.cmdline()[agent.cmdline().index("--master-port") + 1])
+        assert any(addr.port == port for _, addr in listening), listening  # the store is among them
+        assert all(addr.ip == "127.0.0.1" for _, addr in listening), listening
+    finally:
+        agent.terminate()
+        job.join(60)

@@ -44,7 +44,7 @@ def _gone(p: psutil.Process) -> bool:
 def test_multi_node_command():
     launch = LaunchConfig(nproc_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29511)
     cmd = build_command("align_pipeline.train.sft", "/r/config.json", launch, "/r/logs")
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]  # one node: align_pipeline.launch._agent
     opts = dict(zip(cmd[3:15:2], cmd[4:15:2]))
     assert opts == {
         "--nnodes": "2",
@@ -61,6 +61,7 @@ def test_multi_node_command():
 
 def test_port_zero_picks_a_free_port_on_one_node_only():
     cmd = build_command("m", "c.json", LaunchConfig(master_port=0), "logs")
+    assert cmd[1:3] == ["-m", "align_pipeline.launch._agent"]  # torchrun with its store on loopback
     assert int(cmd[cmd.index("--master-port") + 1]) > 0
     with pytest.raises(ValueError, match="master_port"):
         run_torchrun("m", {}, LaunchConfig(nnodes=2, master_port=0), "/nonexistent")

@@ -4,11 +4,12 @@
 
 starts, in its own session (process group),
 
-    python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --node-rank 0 \\
+    python -m align_pipeline.launch._agent --nnodes 1 --nproc-per-node 2 --node-rank 0 \\
         --master-addr 127.0.0.1 --master-port <free> --max-restarts 0 \\
         -m align_pipeline.launch._worker <run_dir>/logs align_pipeline.train.sft --config <run_dir>/config.json
 
-``launch._worker`` is a thin shim: it sends the rank's stdout+stderr to ``<run_dir>/logs/rank<N>.log`` and then runs
+``launch._agent`` is torchrun itself with its rendezvous store listening on 127.0.0.1 only (multi-node jobs run
+``torch.distributed.run`` directly). ``launch._worker`` is a thin shim: it sends the rank's stdout+stderr to ``<run_dir>/logs/rank<N>.log`` and then runs
 the entry point exactly like ``python -m <module> --config <json>``. torchrun's own (agent) output goes to
 ``<run_dir>/logs/torchrun.log``.
 
@@ -55,6 +56,8 @@ from align_pipeline.tracking.mlflow_logger import child_run_env
 logger = logging.getLogger("align_pipeline.launch")
 
 WORKER_MODULE = "align_pipeline.launch._worker"
+AGENT_MODULE = "align_pipeline.launch._agent"
+"""torchrun with its store bound to ``master_addr`` (loopback): used for single-node jobs."""
 TERMINATE_GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL when the parent stops the job."""
 _POLL_S = 0.1
@@ -249,10 +252,12 @@ def _as_launch_config(launch: LaunchConfig | Mapping[str, Any]) -> LaunchConfig:
 
 
 def build_command(module: str, config_path: str | Path, launch: LaunchConfig, log_dir: str | Path) -> list[str]:
-    """The torchrun command line (``master_port`` 0 is replaced by a free port)."""
+    """The torchrun command line (``master_port`` 0 is replaced by a free port). A single-node job runs torchrun
+    through :mod:`align_pipeline.launch._agent`, so its store listens on ``master_addr`` alone (127.0.0.1)."""
     port = launch.master_port or free_port(launch.master_addr)
+    agent = AGENT_MODULE if launch.nnodes == 1 else "torch.distributed.run"
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", agent,
         "--nnodes", str(launch.nnodes),
         "--nproc-per-node", str(launch.nproc_per_node),
         "--node-rank", str(launch.node_rank),
