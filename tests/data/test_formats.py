@@ -8,9 +8,11 @@ import pytest
 
 from align_pipeline.data.formats import (
     ArrayBundle,
+    Artifact,
     RecordBundle,
     arrays_fingerprint,
     atomic_open,
+    check_tokenized_with,
     load_artifact,
     load_jsonl,
     load_npz,
@@ -97,3 +99,33 @@ def test_kedro_datasets(tmp_path):
     tok = train_tokenizer(["abc"])
     tds.save(tok)
     assert tds.exists() and tds.load().fingerprint == tok.fingerprint
+
+
+def test_check_tokenized_with():
+    from align_pipeline.data.schemas import DataValidationError
+    from align_pipeline.errors import UserError
+
+    tok = Artifact(path="/p/data/03_primary/tokenizer", fingerprint="aaaa", meta={"fingerprint": "aaaa"})
+
+    def art(name, tok_fp):
+        return Artifact(path=f"/p/data/05_model_input/{name}", fingerprint="f", meta={"tokenizer_fingerprint": tok_fp})
+
+    check_tokenized_with(tok, sft_train=art("sft_train.npz", "aaaa"), sft_val=art("sft_val.npz", "aaaa"))
+    check_tokenized_with(tok)  # nothing to check
+
+    with pytest.raises(DataValidationError) as excinfo:
+        check_tokenized_with(
+            tok,
+            sft_train=art("sft_train.npz", "aaaa"),
+            sft_val=art("sft_val.npz", "bbbb"),
+            prompts_val=Artifact(path="/p/data/05_model_input/prompts_val.jsonl", fingerprint="f", meta={}),
+        )
+    msg = str(excinfo.value)
+    assert isinstance(excinfo.value, UserError)
+    assert msg.startswith("sft_val, prompts_val were not tokenized with the tokenizer /p/data/03_primary/tokenizer")
+    assert "(fingerprint aaaa)" in msg and "sft_val (/p/data/05_model_input/sft_val.npz: tokenizer bbbb)" in msg
+    assert "prompts_val (/p/data/05_model_input/prompts_val.jsonl: no tokenizer_fingerprint)" in msg
+    assert "sft_train" not in msg and msg.endswith("rerun `kedro run --pipelines data_prep`")
+
+    with pytest.raises(DataValidationError, match=r"^pref_train was not tokenized"):
+        check_tokenized_with(tok, pref_train=art("pref_train.npz", "cccc"))

@@ -164,3 +164,23 @@ def test_shipped_data_fits_default_seq_length():
     tok = train_tokenizer([t for r in raws for rec in r.records for t in record_texts(rec)])
     assert tok.vocab_size <= 64
     assert max(encode(r, tok, 48).max_tokens for r in raws) <= 24
+
+
+@pytest.mark.parametrize(
+    "kind, record",
+    [
+        ("sft", {"input": "add: 1+2\n", "output": "3"}),
+        ("preference", {"prompt": "add: 1+2\n", "chosen_response": "3", "rejected_response": "4"}),
+        ("prompts", {"prompt": "add: 1+2\n", "answer": "3"}),
+        ("regression", {"prompt": "add: 1+2\n", "response": "3", "labels": {"correct": 1.0}}),
+    ],
+)
+def test_every_kind_records_its_tokenizer(tok, kind, record):
+    """Stages compare this key with the tokenizer they are given (formats.check_tokenized_with)."""
+    key = "input" if kind == "sft" else "prompt"
+    raw = _raw(kind, [record, {**record, key: "add: 2+2\n"}])  # two prompts: one per split
+    parts = split_encoded(encode(raw, tok, 24), raw, tok, DataPrepConfig(val_fraction=0.5), 24)
+    assert {split: p.meta["tokenizer_fingerprint"] for split, p in parts.items()} == {
+        "train": tok.fingerprint,
+        "val": tok.fingerprint,
+    }

@@ -10,7 +10,9 @@ Artifacts written by ``data_prep`` and read by the trainers:
 
 Every file is written to a temp file in the same directory and moved into place with ``os.replace``; the data file
 goes first and the sidecar last, so an artifact whose sidecar exists is complete (:func:`load_artifact` re-checks
-the fingerprint on request). Nothing here imports Kedro or torch.
+the fingerprint on request). Every tokenized artifact's sidecar carries ``tokenizer_fingerprint``;
+:func:`check_tokenized_with` refuses a set whose arrays were tokenized with another tokenizer than the one a stage is
+given. Nothing here imports Kedro or torch.
 """
 
 from __future__ import annotations
@@ -242,6 +244,31 @@ def load_artifact(path: PathLike, verify: bool = False) -> Artifact:
     return Artifact(path=os.path.abspath(path), fingerprint=meta["fingerprint"], meta=meta)
 
 
+def check_tokenized_with(tokenizer: Artifact, **data: Artifact) -> None:
+    """Raise ``DataValidationError`` unless every artifact of ``data`` (catalog name -> Artifact) was tokenized with
+    ``tokenizer``: its sidecar's ``tokenizer_fingerprint`` must equal ``tokenizer.fingerprint``. One message names
+    every mismatching dataset (and one without the key), e.g.::
+
+        check_tokenized_with(tokenizer, sft_train=sft_train, sft_val=sft_val)
+    """
+    from .schemas import DataValidationError, display_path  # schemas imports this module
+
+    bad = {name: art for name, art in data.items() if art.meta.get("tokenizer_fingerprint") != tokenizer.fingerprint}
+    if not bad:
+        return
+    details = []
+    for name, art in bad.items():
+        found = art.meta.get("tokenizer_fingerprint")
+        details.append(
+            f"{name} ({display_path(art.path)}: {f'tokenizer {found}' if found else 'no tokenizer_fingerprint'})"
+        )
+    raise DataValidationError(
+        f"{', '.join(bad)} {'was' if len(bad) == 1 else 'were'} not tokenized with the tokenizer "
+        f"{display_path(tokenizer.path)} (fingerprint {tokenizer.fingerprint}): {', '.join(details)}. The data_prep outputs come "
+        "from different runs; rerun `kedro run --pipelines data_prep`"
+    )
+
+
 __all__ = [
     "CHECKPOINT_META",
     "ArrayBundle",
@@ -251,6 +278,7 @@ __all__ = [
     "atomic_open",
     "atomic_write_bytes",
     "atomic_write_json",
+    "check_tokenized_with",
     "checkpoint_meta",
     "content_fingerprint",
     "file_sha256",

@@ -178,14 +178,20 @@ def _check_regression(obj: dict) -> None:
         raise _FieldError("labels", "missing (required): expected an object {attribute: number or null}")
     labels = obj["labels"]
     if not isinstance(labels, dict) or not labels:
-        raise _FieldError("labels", f"expected a non-empty object {{attribute: number or null}}, got {_type_name(labels)}")
+        raise _FieldError(
+            "labels", f"expected a non-empty object {{attribute: number or null}}, got {_type_name(labels)}"
+        )
     for name, value in labels.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise _FieldError(f"labels.{name}", f"expected a number or null (missing), got {_type_name(value)}")
 
 
-_CHECKS = {"sft": _check_sft, "preference": _check_preference, "prompts": _check_prompts,
-           "regression": _check_regression}
+_CHECKS = {
+    "sft": _check_sft,
+    "preference": _check_preference,
+    "prompts": _check_prompts,
+    "regression": _check_regression,
+}
 
 
 def validate_record(obj: Any, kind: str) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -53,6 +53,13 @@ class DataPrepConfig:
     """Share of the prompts held out (prompts_val: the evaluation set); None = val_fraction."""
     seed: int = 1234
     """Seed of the train/val split."""
+    dubious: Literal["warn", "refuse", "ignore"] = "warn"
+    """What to do with dubious records – exact duplicate lines, empty/whitespace answers (SFT output or Assistant
+    turn, chosen/rejected response, prompt answer), preference pairs with chosen == rejected
+    (:mod:`align_pipeline.data.dubious`): ``warn`` keeps them and logs one warning per file with counts and example
+    lines; ``refuse`` fails with a ``DataValidationError`` naming file, lines and reason, before anything is written;
+    ``ignore`` keeps them silently. Their counts are in data_prep's metrics (``<kind>_dubious_<reason>``) either
+    way."""
 
     def validate(self) -> None:
         for name in ("val_fraction", "prompts_val_fraction"):
@@ -211,15 +218,25 @@ def encode_regression(raw: RawData, tok: TextTokenizer, seq_length: int) -> Enco
             raise raw.error(i, "response", _too_long(len(ids), seq_length, "<bos> + prompt + response + <eos>"))
         samples.append((ids, resp))
     names = sorted({k for r in raw.records for k in r["labels"]})
-    labels = np.array([[np.nan if r["labels"].get(k) is None else float(r["labels"][k]) for k in names]
-                       for r in raw.records], dtype=np.float32)  # [N, A]
+    labels = np.array(
+        [[np.nan if r["labels"].get(k) is None else float(r["labels"][k]) for k in names] for r in raw.records],
+        dtype=np.float32,
+    )  # [N, A]
     arrays = {**pack(samples, seq_length, tok.pad_id), "reward_labels": labels}
-    return Encoded(keys=[r["prompt"] for r in raw.records], arrays=arrays,
-                   max_tokens=max(len(s[0]) for s in samples), attributes=names)
+    return Encoded(
+        keys=[r["prompt"] for r in raw.records],
+        arrays=arrays,
+        max_tokens=max(len(s[0]) for s in samples),
+        attributes=names,
+    )
 
 
-ENCODERS = {"sft": encode_sft, "preference": encode_preference, "prompts": encode_prompts,
-            "regression": encode_regression}
+ENCODERS = {
+    "sft": encode_sft,
+    "preference": encode_preference,
+    "prompts": encode_prompts,
+    "regression": encode_regression,
+}
 
 
 def encode(raw: RawData, tok: TextTokenizer, seq_length: int) -> Encoded:

@@ -9,15 +9,24 @@ fingerprint, metadata) – never arrays: training nodes pass paths to their torc
 * :class:`PromptsJsonlDataset` – ``save(RecordBundle | list of dicts)`` writes ``.jsonl`` + ``.meta.json``
   atomically; ``load()`` -> Artifact.
 
+``commit_group: <name>`` (the three writable datasets) makes the outputs of one node land together or not at all:
+while :class:`align_pipeline.data_prep_hook.StagedOutputsHook` has the group's set open (from the node's return
+until Kedro has saved its last output of the group), ``save`` only stages the write next to the final path, and the
+hook renames the whole set into place at the end (:mod:`align_pipeline.data.staging`). Without an open set (the hook
+not registered, or a direct ``catalog.save``) ``save`` writes at once, one artifact at a time, and logs a warning.
+
 Catalog (``conf/base/catalog_data.yml``)::
 
     sft_train:
       type: align_pipeline.datasets.TokenizedNpzDataset
       filepath: data/05_model_input/sft_train.npz
+      commit_group: data_prep
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +41,38 @@ from align_pipeline.data.formats import (
     save_jsonl,
     save_npz,
     short_hash,
+    sidecar_path,
 )
 from align_pipeline.data.schemas import KINDS, display_path
+from align_pipeline.data.staging import current_group
 from align_pipeline.data.tokenizer import META_FILE, TOKENIZER_FILE, TextTokenizer, read_tokenizer_meta
+
+logger = logging.getLogger(__name__)
+_warned_groups: set[str] = set()
+
+
+class _GroupWrite:
+    """``save`` of a dataset that may belong to a ``commit_group`` (see the module docstring)."""
+
+    commit_group: str | None = None
+
+    def _write(self, path: Path, write: Callable[[Path], object], sidecar: bool, last: bool = False) -> None:
+        """``write(target)`` writes the artifact at ``target`` (plus ``<target>.meta.json`` when ``sidecar``): the
+        final ``path`` itself, or its staged sibling while the group's set is open."""
+        staging = current_group(self.commit_group) if self.commit_group else None
+        if staging is None:
+            if self.commit_group and self.commit_group not in _warned_groups:
+                _warned_groups.add(self.commit_group)
+                logger.warning(
+                    "commit_group %r has no open set (is align_pipeline.data_prep_hook.StagedOutputsHook in "
+                    "settings.HOOKS?): its outputs are written one by one, not all-or-nothing",
+                    self.commit_group,
+                )
+            write(path)
+            return
+        staged = staging.staged_path(path)
+        pairs = [(staged, path)] + ([(sidecar_path(staged), sidecar_path(path))] if sidecar else [])
+        staging.stage(pairs, lambda: write(staged), last=last)
 
 
 class RawJsonlDataset(AbstractDataset[None, Artifact]):
@@ -68,11 +106,13 @@ class RawJsonlDataset(AbstractDataset[None, Artifact]):
         return {"filepath": str(self._filepath), "kind": self._kind}
 
 
-class TokenizerDirDataset(AbstractDataset[TextTokenizer, Artifact]):
-    """A tokenizer directory (``tokenizer.json`` + ``align_tokenizer.json``)."""
+class TokenizerDirDataset(_GroupWrite, AbstractDataset[TextTokenizer, Artifact]):
+    """A tokenizer directory (``tokenizer.json`` + ``align_tokenizer.json``). In a commit group it is put in place
+    after every other artifact of the set."""
 
-    def __init__(self, path: str, metadata: dict[str, Any] | None = None):
+    def __init__(self, path: str, commit_group: str | None = None, metadata: dict[str, Any] | None = None):
         self._path = Path(path)
+        self.commit_group = commit_group
         self.metadata = metadata
 
     def load(self) -> Artifact:
@@ -82,19 +122,26 @@ class TokenizerDirDataset(AbstractDataset[TextTokenizer, Artifact]):
     def save(self, data: TextTokenizer) -> None:
         if not isinstance(data, TextTokenizer):
             raise DatasetError(f"TokenizerDirDataset saves a TextTokenizer, got {type(data).__name__}")
-        data.save(self._path)
+        self._write(self._path, data.save, sidecar=False, last=True)
 
     def _exists(self) -> bool:
         return (self._path / META_FILE).is_file() and (self._path / TOKENIZER_FILE).is_file()
 
     def _describe(self) -> dict[str, Any]:
-        return {"path": str(self._path)}
+        return {"path": str(self._path), "commit_group": self.commit_group}
 
 
-class _ArtifactFileDataset(AbstractDataset):
-    def __init__(self, filepath: str, verify: bool = False, metadata: dict[str, Any] | None = None):
+class _ArtifactFileDataset(_GroupWrite, AbstractDataset):
+    def __init__(
+        self,
+        filepath: str,
+        verify: bool = False,
+        commit_group: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ):
         self._filepath = Path(filepath)
         self._verify = verify
+        self.commit_group = commit_group
         self.metadata = metadata
 
     def load(self) -> Artifact:
@@ -104,7 +151,7 @@ class _ArtifactFileDataset(AbstractDataset):
         return self._filepath.is_file() and Path(f"{self._filepath}.meta.json").is_file()
 
     def _describe(self) -> dict[str, Any]:
-        return {"filepath": str(self._filepath), "verify": self._verify}
+        return {"filepath": str(self._filepath), "verify": self._verify, "commit_group": self.commit_group}
 
 
 class TokenizedNpzDataset(_ArtifactFileDataset):
@@ -112,7 +159,7 @@ class TokenizedNpzDataset(_ArtifactFileDataset):
 
     def save(self, data: ArrayBundle | dict) -> None:
         bundle = data if isinstance(data, ArrayBundle) else ArrayBundle(arrays=dict(data))
-        save_npz(self._filepath, bundle.arrays, bundle.meta)
+        self._write(self._filepath, lambda path: save_npz(path, bundle.arrays, bundle.meta), sidecar=True)
 
 
 class PromptsJsonlDataset(_ArtifactFileDataset):
@@ -120,7 +167,7 @@ class PromptsJsonlDataset(_ArtifactFileDataset):
 
     def save(self, data: RecordBundle | list) -> None:
         bundle = data if isinstance(data, RecordBundle) else RecordBundle(records=list(data))
-        save_jsonl(self._filepath, bundle.records, bundle.meta)
+        self._write(self._filepath, lambda path: save_jsonl(path, bundle.records, bundle.meta), sidecar=True)
 
 
 __all__ = ["PromptsJsonlDataset", "RawJsonlDataset", "TokenizedNpzDataset", "TokenizerDirDataset"]

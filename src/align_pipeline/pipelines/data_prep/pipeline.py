@@ -1,5 +1,6 @@
-"""Wiring of ``data_prep``. Intermediates (``data_prep_raw``, ``data_prep_tokenizer``) have no catalog entry, so
-they stay in memory; every persisted output comes from the last node, after all validation has passed."""
+"""Wiring of ``data_prep``. Intermediates (``data_prep_raw``, ``data_prep_dubious``, ``data_prep_tokenizer``) have
+no catalog entry, so they stay in memory; every persisted output comes from the last node, after all validation has
+passed, and its outputs are saved all-or-nothing (catalog ``commit_group: data_prep``)."""
 
 from kedro.pipeline import Node, Pipeline
 
@@ -12,7 +13,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(
                 validate_raw_data,
                 inputs=["raw_sft", "raw_preference", "raw_prompts", "params:data_prep"],
-                outputs="data_prep_raw",
+                outputs=["data_prep_raw", "data_prep_dubious"],
                 name="validate_raw_data",
             ),
             Node(
@@ -23,7 +24,13 @@ def create_pipeline(**kwargs) -> Pipeline:
             ),
             Node(
                 tokenize_and_split,
-                inputs=["data_prep_raw", "data_prep_tokenizer", "params:data_prep", "params:model"],
+                inputs=[
+                    "data_prep_raw",
+                    "data_prep_tokenizer",
+                    "data_prep_dubious",
+                    "params:data_prep",
+                    "params:model",
+                ],
                 outputs=[
                     "tokenizer",
                     "sft_train",

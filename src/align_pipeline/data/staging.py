@@ -1,0 +1,265 @@
+"""All-or-nothing writes of several artifacts at fixed paths (``data_prep``'s tokenizer and arrays). No Kedro here.
+
+A :class:`StagedWrites` collects the writes of one set. :meth:`~StagedWrites.stage` writes an artifact completely
+to hidden siblings of its final paths (``.<name>.<id>.staged``, same directory, so same filesystem) and nothing a
+reader sees changes; a write that fails removes every staged write of the set and raises
+:class:`OutputsNotWritten`. :meth:`~StagedWrites.commit` then puts the set in place by renames: each existing final
+path is renamed to ``.<name>.<id>.old``, the staged one renamed into its place; if a rename fails, every path
+already replaced is restored from its backup, the staged files are removed and :class:`OutputsNotWritten` says the
+previous outputs are unchanged. The backups are deleted after the last rename. Staged writes left by a process that
+was killed are removed by the next write of the same path.
+
+Rename order: artifacts in the order they were staged, each data file before its sidecar, entries staged with
+``last=True`` (the tokenizer directory) after all others. Only a crash (SIGKILL, power loss) between two renames of
+:meth:`~StagedWrites.commit` can leave a mixed set behind; stages refuse one whose tokenizer differs with
+:func:`align_pipeline.data.formats.check_tokenized_with`.
+
+Kedro side: datasets with a ``commit_group`` stage into the set :func:`open_group` registered for that group; the
+hook :class:`align_pipeline.data_prep_hook.StagedOutputsHook` opens it when the node producing them returns and
+commits it once Kedro has saved the last of them::
+
+    staging = StagedWrites("data_prep outputs")
+    staged = staging.staged_path(final)
+    staging.stage([(staged, final)], lambda: staged.write_bytes(blob))
+    staging.commit()  # or staging.abort()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from align_pipeline.errors import UserError
+
+STAGED_SUFFIX = ".staged"
+BACKUP_SUFFIX = ".old"
+
+
+class OutputsNotWritten(UserError, OSError):
+    """A set of outputs could not be written or put in place; the previous set is unchanged."""
+
+
+@dataclass
+class _Entry:
+    staged: Path
+    final: Path
+    last: bool
+
+
+def _why(exc: BaseException) -> str:
+    """``Read-only file system`` for an OSError (its paths are temp names), else ``Type: message``."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _display(path: Path) -> str:
+    rel = os.path.relpath(os.path.abspath(path))
+    return str(path) if rel.startswith("..") else rel
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, link or directory tree; a missing path is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
+class StagedWrites:
+    """One set of writes that lands completely or not at all; see the module docstring."""
+
+    def __init__(self, label: str):
+        self.label = label
+        """How messages name the set, e.g. ``"data_prep outputs"``."""
+        self.id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.state = "open"
+        """``open`` -> ``committed`` | ``aborted``."""
+        self._entries: list[_Entry] = []
+        self._failure: str | None = None  # the message of the write that aborted the set
+        self._lock = threading.Lock()  # Kedro's async saving stages from several threads
+
+    def staged_path(self, final: str | os.PathLike) -> Path:
+        """The hidden sibling a write of ``final`` goes to: ``<dir>/.<name>.<id>.staged``."""
+        final = Path(final)
+        return final.parent / f".{final.name}.{self.id}{STAGED_SUFFIX}"
+
+    def stage(self, pairs: Sequence[tuple[Path, Path]], write: Callable[[], object], last: bool = False) -> None:
+        """Run ``write()``, which writes every ``staged`` path of ``pairs`` (``(staged, final)``, a file or a
+        directory each) completely. On failure the whole set is aborted and :class:`OutputsNotWritten` raised."""
+        pairs = [(Path(s), Path(f)) for s, f in pairs]
+        with self._lock:
+            if self.state != "open":
+                raise OutputsNotWritten(self._why_closed())
+            self._entries += [_Entry(s, f, last) for s, f in pairs]
+        try:
+            for _, final in pairs:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                _remove_leftovers(final)
+            write()
+            missing = [s for s, _ in pairs if not _exists(s)]
+            if missing:
+                raise FileNotFoundError(f"the write did not produce {_display(missing[0])}")
+        except Exception as exc:
+            with self._lock:
+                first = self.state == "open"  # else another thread's write failed first: report that one
+                if first:
+                    self._failure = (
+                        f"{_display(pairs[0][1])}: cannot write ({_why(exc)}); nothing of the {self.label} was "
+                        "written – the previous ones are unchanged"
+                    )
+            self.abort()
+            raise OutputsNotWritten(self._why_closed()) from exc
+        with self._lock:
+            closed = self.state != "open"  # aborted meanwhile by a write that failed in another thread
+        if closed:
+            for staged, _ in pairs:
+                with contextlib.suppress(OSError):
+                    _remove(staged)
+            raise OutputsNotWritten(self._why_closed())
+
+    def _why_closed(self) -> str:
+        return self._failure or f"{self.label}: the set was already {self.state}; nothing more is written"
+
+    def commit(self) -> None:
+        """Rename every staged write into place (see the module docstring); on failure restore the previous set."""
+        with self._lock:
+            if self.state != "open":
+                raise OutputsNotWritten(f"{self.label}: cannot commit a set that was {self.state}")
+            self.state = "committing"
+            order = [e for e in self._entries if not e.last] + [e for e in self._entries if e.last]
+        done: list[tuple[_Entry, Path | None]] = []
+        for entry in order:
+            try:
+                backup = None
+                if _exists(entry.final):
+                    backup = entry.final.parent / f".{entry.final.name}.{self.id}{BACKUP_SUFFIX}"
+                    os.replace(entry.final, backup)
+                done.append((entry, backup))
+                os.replace(entry.staged, entry.final)
+            except OSError as exc:
+                problems = self._rollback(done)
+                self._remove_staged()
+                self.state = "aborted"
+                restored = (
+                    "the previous ones were restored, nothing was changed"
+                    if not problems
+                    else "restoring the previous ones failed too: " + "; ".join(problems)
+                )
+                raise OutputsNotWritten(
+                    f"{_display(entry.final)}: cannot put the new version in place ({_why(exc)}); "
+                    f"{self.label}: {restored}"
+                ) from exc
+        for _, backup in done:
+            if backup is not None:
+                with contextlib.suppress(OSError):
+                    _remove(backup)
+        for directory in {e.final.parent for e in order}:
+            _fsync_dir(directory)
+        self.state = "committed"
+
+    def abort(self) -> None:
+        """Remove every staged write; the final paths are untouched. Idempotent; a committed set stays."""
+        with self._lock:
+            if self.state in ("committed", "aborted"):
+                return
+            self.state = "aborted"
+        self._remove_staged()
+
+    def _remove_staged(self) -> None:
+        for entry in self._entries:
+            with contextlib.suppress(OSError):
+                _remove(entry.staged)
+
+    @staticmethod
+    def _rollback(done: list[tuple[_Entry, Path | None]]) -> list[str]:
+        """Undo the renames of ``done`` (newest first); returns what could not be undone."""
+        problems = []
+        for entry, backup in reversed(done):
+            try:
+                if not _exists(entry.staged):  # the new version is in place: take it out again
+                    _remove(entry.final)
+                if backup is not None:
+                    os.replace(backup, entry.final)
+            except OSError as exc:
+                problems.append(f"{_display(entry.final)} (previous version kept as {_display(backup)}: {exc})")
+        return problems
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: it exists
+        return True
+    return True
+
+
+def _remove_leftovers(final: Path) -> None:
+    """Remove staged writes of ``final`` left by a process that no longer runs (killed while saving)."""
+    for path in final.parent.glob(f".{final.name}.*{STAGED_SUFFIX}*"):
+        pid = path.name[len(final.name) + 2 :].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                _remove(path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the renames in ``directory`` durable (best effort: not every platform can open a directory)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Open sets by group name (what a Kedro dataset with ``commit_group`` stages into)
+# ---------------------------------------------------------------------------------------------------------------
+
+_OPEN: dict[str, StagedWrites] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def open_group(group: str, label: str | None = None) -> StagedWrites:
+    """Start the set of ``group``; a set of the group still open is aborted first (left by a failed run)."""
+    staging = StagedWrites(label or f"{group} outputs")
+    with _OPEN_LOCK:
+        stale = _OPEN.pop(group, None)
+        _OPEN[group] = staging
+    if stale is not None:
+        stale.abort()
+    return staging
+
+
+def current_group(group: str) -> StagedWrites | None:
+    """The open set of ``group``, if any (a set that was committed or aborted is forgotten)."""
+    with _OPEN_LOCK:
+        staging = _OPEN.get(group)
+        if staging is not None and staging.state != "open":
+            del _OPEN[group]
+            staging = None
+        return staging
+
+
+def close_group(group: str, staging: StagedWrites) -> None:
+    """Forget ``staging`` as the set of ``group`` (after its commit or abort)."""
+    with _OPEN_LOCK:
+        if _OPEN.get(group) is staging:
+            del _OPEN[group]
+
+
+__all__ = ["OutputsNotWritten", "StagedWrites", "close_group", "current_group", "open_group"]
