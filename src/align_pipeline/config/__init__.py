@@ -5,7 +5,10 @@ the node resolved + lineage.
   :func:`config_hash`, :class:`ConfigError`;
 * :mod:`.common` – sections several stages use (``model``, ``parallel``, ``launch``, ``training``, ``generation``,
   ``reward``, ``kl``, ``rl``, ``offload``) and the path groups of the jobs;
-* one module per stage: the stage's section (``params:<stage>``) and its job.
+* one module per stage: the stage's section (``params:<stage>``) and its job;
+* :mod:`.checks` – the rules that span sections (world size vs TP x PP, heads / layers / sequence vs TP and PP,
+  PP = 1 for generating stages, batches over data-parallel ranks), applied by the Kedro hook before any node runs
+  and by each entry point at its start. A section's own ranges are its ``validate(where)``.
 
 Every field has a docstring; nothing here imports Kedro, Megatron or torch.
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import types
 import typing
@@ -100,8 +101,17 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str | None = Non
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)
     if callable(validate):
-        validate()
+        # A validate(where) names the keys it checks as they are spelled here ("params:sft.training.micro_batch_size").
+        validate(where) if inspect.signature(validate).parameters else validate()
     return obj
+
+
+def require_at_least(obj: Any, where: str, minimum: int, *names: str) -> None:
+    """Each named field of ``obj`` (unless None) must be >= ``minimum``; the error names the first that is not."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"{where}.{name}={value} must be >= {minimum}")
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

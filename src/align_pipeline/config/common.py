@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from align_pipeline.config.base import ConfigError
+from align_pipeline.config.base import ConfigError, require_at_least
 
 
 @dataclass
@@ -83,18 +83,22 @@ class ModelConfig:
     """The Hugging Face family the model was imported from and is exported as; None = the family its architecture
     implies (QK norm: qwen3; QKV-only biases: qwen2; else llama)."""
 
-    def validate(self) -> None:
+    def validate(self, where: str = "model") -> None:
+        require_at_least(self, where, 1, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                         "ffn_hidden_size", "seq_length", "vocab_size", "make_vocab_size_divisible_by", "kv_channels")
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(f"{where}.num_query_groups={self.num_query_groups} does not divide "
+                              f"{where}.num_attention_heads={self.num_attention_heads} (each key/value head serves "
+                              "a whole group of query heads)")
         if self.rope_scaling != "none" and self.rope_scaling_factor <= 0:
-            raise ConfigError(f"model.rope_scaling_factor must be > 0, got {self.rope_scaling_factor}")
+            raise ConfigError(f"{where}.rope_scaling_factor must be > 0, got {self.rope_scaling_factor}")
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
-            raise ConfigError("model.rope_high_freq_factor must be > model.rope_low_freq_factor (llama3 scaling)")
-        if self.kv_channels is not None and self.kv_channels <= 0:
-            raise ConfigError(f"model.kv_channels must be > 0, got {self.kv_channels}")
+            raise ConfigError(f"{where}.rope_high_freq_factor must be > {where}.rope_low_freq_factor (llama3 scaling)")
         if self.sliding_window is not None and self.sliding_window < self.seq_length:
-            raise ConfigError(f"model.seq_length={self.seq_length} exceeds the model's sliding_window="
+            raise ConfigError(f"{where}.seq_length={self.seq_length} exceeds the model's sliding_window="
                               f"{self.sliding_window} (sliding-window attention is not implemented)")
         if self.qk_layernorm and self.normalization != "RMSNorm":
-            raise ConfigError("model.qk_layernorm needs normalization: RMSNorm")
+            raise ConfigError(f"{where}.qk_layernorm needs normalization: RMSNorm")
 
 
 @dataclass
@@ -115,6 +119,10 @@ class ParallelConfig:
     """Layers per recompute chunk for full recomputation."""
     bf16: bool = False
     """Train in bf16 with fp32 main weights (GPU)."""
+
+    def validate(self, where: str = "parallel") -> None:
+        require_at_least(self, where, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                         "recompute_num_layers")
 
 
 @dataclass
@@ -139,6 +147,19 @@ class LaunchConfig:
     log_tail_lines: int = 40
     """Lines of a failing rank's log to include in the error."""
 
+    def validate(self, where: str = "launch") -> None:
+        if self.nproc_per_node != "gpus":
+            require_at_least(self, where, 1, "nproc_per_node")
+        require_at_least(self, where, 1, "nnodes", "threads_per_process")
+        require_at_least(self, where, 0, "log_tail_lines")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"{where}.node_rank={self.node_rank} must be in [0, {where}.nnodes={self.nnodes})")
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"{where}.master_port={self.master_port} must be in [0, 65535]")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ConfigError(f"{where}.master_port=0 (pick a free one) works on one node only; "
+                              f"{where}.nnodes={self.nnodes} needs an explicit port")
+
 
 @dataclass
 class OptimizerConfig:
@@ -161,9 +182,10 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 = off)."""
 
-    def validate(self) -> None:
+    def validate(self, where: str = "optimizer") -> None:
         if not 0 <= self.min_lr <= self.lr:
-            raise ConfigError(f"optimizer: need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
+            raise ConfigError(f"{where}: need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
+        require_at_least(self, where, 0, "warmup_steps")
 
 
 @dataclass
@@ -193,14 +215,13 @@ class TrainingConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """AdamW + schedule."""
 
-    def validate(self) -> None:
+    def validate(self, where: str = "training") -> None:
+        require_at_least(self, where, 1, "train_steps", "global_batch_size", "micro_batch_size", "log_interval",
+                         "eval_samples")
+        require_at_least(self, where, 0, "eval_interval", "save_interval", "keep_checkpoints")
         if self.global_batch_size % self.micro_batch_size:
-            raise ConfigError(
-                f"training.global_batch_size ({self.global_batch_size}) must be a multiple of "
-                f"training.micro_batch_size ({self.micro_batch_size})"
-            )
-        if self.train_steps < 1:
-            raise ConfigError("training.train_steps must be >= 1")
+            raise ConfigError(f"{where}.global_batch_size={self.global_batch_size} must be a multiple of "
+                              f"{where}.micro_batch_size={self.micro_batch_size}")
 
 
 @dataclass
@@ -222,6 +243,13 @@ class GenerationConfig:
     batch_size: int = 256
     """Prompts per generation call."""
 
+    def validate(self, where: str = "generation") -> None:
+        require_at_least(self, where, 0, "max_new_tokens", "top_k")
+        require_at_least(self, where, 1, "samples_per_prompt", "batch_size")
+        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"{where}: need temperature >= 0 (got {self.temperature}) and 0 < top_p <= 1 "
+                              f"(got {self.top_p})")
+
 
 @dataclass
 class RewardConfig:
@@ -236,9 +264,9 @@ class RewardConfig:
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of a response that stopped at ``max_new_tokens`` without EOS."""
 
-    def validate(self) -> None:
+    def validate(self, where: str = "reward") -> None:
         if self.reward_model_weight == 0 and self.checker_weight == 0:
-            raise ConfigError("reward: reward_model_weight and checker_weight are both 0 (no reward)")
+            raise ConfigError(f"{where}: reward_model_weight and checker_weight are both 0 (no reward)")
 
 
 @dataclass
@@ -288,9 +316,10 @@ class RLLoopConfig:
     resume: bool = True
     """Resume from the latest complete checkpoint in the run directory."""
 
-    def validate(self) -> None:
-        if self.iterations < 1 or self.epochs < 1 or self.minibatches < 1 or self.prompts_per_iteration < 1:
-            raise ConfigError("rl: iterations, epochs, minibatches and prompts_per_iteration must be >= 1")
+    def validate(self, where: str = "rl") -> None:
+        require_at_least(self, where, 1, "iterations", "prompts_per_iteration", "epochs", "minibatches",
+                         "micro_batch_size", "log_interval")
+        require_at_least(self, where, 0, "eval_interval", "eval_prompts", "save_interval", "keep_checkpoints")
 
     @property
     def steps_per_iteration(self) -> int:

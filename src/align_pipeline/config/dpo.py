@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from align_pipeline.config.base import ConfigError
+from align_pipeline.config.base import ConfigError, require_at_least
 from align_pipeline.config.common import (
     ParallelConfig,
     StageJob,
@@ -45,6 +45,9 @@ class DPOConfig(StageRunConfig):
     reference_micro_batch_size: int = 32
     """Pairs per forward when computing reference log-probs."""
 
+    def validate(self, where: str = "dpo") -> None:
+        require_at_least(self, where, 1, "reference_micro_batch_size")
+
 
 @dataclass(kw_only=True)
 class DPOPaths(TrainPaths):
@@ -63,11 +66,11 @@ class DPOJob(StageJob):
     paths: DPOPaths
     """Preference data, tokenizer, starting policy, reference log-probs, run directory."""
 
-    def validate(self) -> None:
+    def validate(self, where: str = "DPOJob") -> None:
         if self.paths.init_from is None:
-            raise ConfigError("DPOJob.paths.init_from: the policy starts from a checkpoint or HF dir")
+            raise ConfigError(f"{where}.paths.init_from: the policy starts from a checkpoint or HF dir")
         if self.paths.reference_logps is None and self.dpo.loss.name not in REFERENCE_FREE_LOSSES:
-            raise ConfigError(f"DPOJob: loss {self.dpo.loss.name!r} needs paths.reference_logps")
+            raise ConfigError(f"{where}: loss {self.dpo.loss.name!r} needs paths.reference_logps")
 
 
 @dataclass(kw_only=True)
@@ -86,3 +89,6 @@ class ReferenceLogpsJob:
     """TP / PP of the forward passes."""
     micro_batch_size: int = 32
     """Sequence pairs per forward (``params:dpo.reference_micro_batch_size``)."""
+
+    def validate(self, where: str = "ReferenceLogpsJob") -> None:
+        require_at_least(self, where, 1, "micro_batch_size")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from align_pipeline.config.base import require_at_least
 from align_pipeline.config.common import GenerationConfig, ParallelConfig
 
 
@@ -22,6 +23,9 @@ class EvaluationConfig:
     """Rows per scoring forward."""
     runs_dir: str = "data/06_models/_runs"
     """Where the evaluation's run directory (logs, result.json) lives."""
+
+    def validate(self, where: str = "evaluation") -> None:
+        require_at_least(self, where, 1, "micro_batch_size")
 
 
 @dataclass(kw_only=True)

@@ -42,9 +42,9 @@ class PPOConfig(RLConfig):
     pushes the actor away from the SFT policy (NeMo-Aligner's ``critic_warmup_steps``, OpenRLHF's
     ``freezing_actor_steps``). The actor's schedule covers the remaining iterations."""
 
-    def validate(self) -> None:
+    def validate(self, where: str = "ppo") -> None:
         if not 0 <= self.critic_warmup_iterations < self.rl.iterations:
-            raise ConfigError(f"ppo: critic_warmup_iterations must be in [0, rl.iterations = {self.rl.iterations}), "
+            raise ConfigError(f"{where}.critic_warmup_iterations must be in [0, rl.iterations = {self.rl.iterations}), "
                               f"got {self.critic_warmup_iterations}")
 
 
@@ -66,7 +66,7 @@ class PPOJob(StageJob):
     paths: PPOPaths
     """Prompts, tokenizer, policy, reference, reward model, critic, run directory."""
 
-    def validate(self) -> None:
-        check_rl_job(self.ppo, self.parallel, self.paths, "PPOJob")
+    def validate(self, where: str = "PPOJob") -> None:
+        check_rl_job("ppo", self.ppo, self.parallel, self.paths, where)
         if (self.paths.critic or self.paths.reward_model) is None:
-            raise ConfigError("PPOJob: the critic needs paths.critic or paths.reward_model")
+            raise ConfigError(f"{where}: the critic needs paths.critic or paths.reward_model")

@@ -29,11 +29,14 @@ class ReinforceConfig(RLConfig):
     loss: ReinforceLossConfig = field(default_factory=ReinforceLossConfig)
     """Which group baseline, and the clip of the multi-step form."""
 
-    def validate(self) -> None:
+    def validate(self, where: str = "reinforce") -> None:
         if self.generation.samples_per_prompt < 2:
-            raise ConfigError("reinforce: group baselines need generation.samples_per_prompt >= 2")
+            raise ConfigError(
+                f"{where}.generation.samples_per_prompt={self.generation.samples_per_prompt}: group "
+                "baselines need generation.samples_per_prompt >= 2"
+            )
         if self.kl.adaptive:
-            raise ConfigError("reinforce: kl.adaptive is a PPO controller; REINFORCE uses a constant kl.beta")
+            raise ConfigError(f"{where}.kl.adaptive is a PPO controller; REINFORCE uses a constant kl.beta")
 
 
 @dataclass(kw_only=True)
@@ -45,5 +48,5 @@ class ReinforceJob(StageJob):
     paths: RLPaths
     """Prompts, tokenizer, policy, reference, optional reward model, run directory."""
 
-    def validate(self) -> None:
-        check_rl_job(self.reinforce, self.parallel, self.paths, "ReinforceJob")
+    def validate(self, where: str = "ReinforceJob") -> None:
+        check_rl_job("reinforce", self.reinforce, self.parallel, self.paths, where)

@@ -40,6 +40,6 @@ class RewardModelJob(StageJob):
     paths: TrainPaths
     """Preference data, tokenizer, starting model, run directory."""
 
-    def validate(self) -> None:
+    def validate(self, where: str = "RewardModelJob") -> None:
         if self.paths.init_from is None:
-            raise ConfigError("RewardModelJob.paths.init_from: a reward model starts from a checkpoint or HF dir")
+            raise ConfigError(f"{where}.paths.init_from: a reward model starts from a checkpoint or HF dir")

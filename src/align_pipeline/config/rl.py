@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from align_pipeline.config.base import ConfigError
+from align_pipeline.config.checks import check_stage_parallel
 from align_pipeline.config.common import (
     GenerationConfig,
     KLConfig,
@@ -36,10 +37,10 @@ class RLConfig(StageRunConfig):
     """CPU offload of frozen models / optimizer states between phases (GPU memory)."""
 
 
-def check_rl_job(section: RLConfig, parallel: ParallelConfig, paths: RLPaths, where: str) -> None:
-    """The checks every RL job makes before any process starts."""
+def check_rl_job(stage: str, section: RLConfig, parallel: ParallelConfig, paths: RLPaths, where: str) -> None:
+    """The checks every RL job makes before any process starts (the layout rules: :mod:`align_pipeline.config.checks`,
+    which the Kedro hook also applies before any node runs)."""
     if section.reward.reward_model_weight and paths.reward_model is None:
         raise ConfigError(f"{where}: reward.reward_model_weight is {section.reward.reward_model_weight} but no "
                           "reward model is given (paths.reward_model)")
-    if parallel.pipeline_model_parallel_size != 1:
-        raise ConfigError(f"{where}: RL stages generate rollouts, which needs pipeline_model_parallel_size 1")
+    check_stage_parallel(stage, parallel, f"{where}.parallel")

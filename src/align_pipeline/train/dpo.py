@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from align_pipeline.config import DPOJob, PreferenceLossConfig
+from align_pipeline.config.checks import check_job
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.preference import PreferenceLogps, combine, get_preference_loss
 from align_pipeline.model import init
@@ -77,6 +78,7 @@ def main(job: DPOJob) -> dict:
     logger = RunLogger(rank=dist.rank)
     tok = load_tokenizer(paths.tokenizer)
     source = init.resolve(paths.init_from, job.model, tok.vocab_size)
+    check_job("dpo", job.dpo, job.parallel, dist.world_size, source.model, paths.init_from, source.parent["kind"])
     log(dist, f"[dpo] {dist.describe()} init={source.parent['kind']}:{paths.init_from} loss={lc.name}")
     policy = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist)
     ref = np.load(paths.reference_logps) if paths.reference_logps else None

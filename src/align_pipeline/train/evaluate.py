@@ -20,6 +20,7 @@ import numpy as np
 import torch.distributed as tdist
 
 from align_pipeline.config import EvaluationJob, GenerationConfig, ModelConfig
+from align_pipeline.config.checks import check_job
 from align_pipeline.data.formats import load_jsonl
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.model import init
@@ -75,6 +76,7 @@ def main(job: EvaluationJob) -> dict:
 
     ref_path = paths.reference or paths.policies.get("sft") or next(iter(paths.policies.values()))
     ref_src = init.resolve(ref_path, sdpa, 0)
+    check_job("evaluation", cfg, job.parallel, dist.world_size, ref_src.model, ref_path, ref_src.parent["kind"])
     seq_length = ref_src.model.seq_length
     reference = build_frozen(ref_src, job.parallel, dist)
     rm = rm_pooling = None

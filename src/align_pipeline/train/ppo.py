@@ -34,6 +34,7 @@ import torch
 import torch.distributed as tdist
 
 from align_pipeline.config import PPOConfig, PPOJob
+from align_pipeline.config.checks import check_job
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from align_pipeline.model import init
@@ -125,7 +126,7 @@ def main(job: PPOJob) -> dict:
     logger = RunLogger(rank=dist.rank)
     tok = load_tokenizer(paths.tokenizer)
     source = init.resolve(paths.policy, job.model, tok.vocab_size)
-    rollout.check_rollout_split("ppo", rl.prompts_per_iteration, gen.samples_per_prompt, rl.minibatches, mbs, dist)
+    check_job("ppo", cfg, job.parallel, dist.world_size, source.model, paths.policy, source.parent["kind"])
     log(dist, f"[ppo] {dist.describe()} policy={paths.policy} reward_model={paths.reward_model}")
     total_steps = rl.iterations * rl.steps_per_iteration
     warmup = cfg.critic_warmup_iterations  # the actor waits while the critic learns this reward's returns

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from align_pipeline.config import ReinforceConfig, ReinforceJob
+from align_pipeline.config.checks import check_job
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.reinforce import reinforce_loss
 from align_pipeline.model import init
@@ -69,7 +70,7 @@ def main(job: ReinforceJob) -> dict:
     logger = RunLogger(rank=dist.rank)
     tok = load_tokenizer(paths.tokenizer)
     source = init.resolve(paths.policy, job.model, tok.vocab_size)
-    rollout.check_rollout_split("reinforce", rl.prompts_per_iteration, gen.samples_per_prompt, rl.minibatches, mbs, dist)
+    check_job("reinforce", cfg, job.parallel, dist.world_size, source.model, paths.policy, source.parent["kind"])
     log(dist, f"[reinforce] {dist.describe()} policy={paths.policy} reward_model={paths.reward_model}")
     total_steps = rl.iterations * rl.steps_per_iteration
     actor = build_trainable(source, job.parallel, cfg.optimizer, total_steps, dist)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from align_pipeline.config import RewardModelConfig, RewardModelJob
+from align_pipeline.config.checks import check_job
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.reward import bradley_terry_loss, regression_reward_loss
 from align_pipeline.model import init
@@ -81,6 +82,8 @@ def main(job: RewardModelJob) -> dict:
     logger = RunLogger(rank=dist.rank)
     tok = load_tokenizer(paths.tokenizer)
     source = init.resolve(paths.init_from, job.model, tok.vocab_size)
+    check_job("reward_model", section, job.parallel, dist.world_size, source.model, paths.init_from,
+              source.parent["kind"])
     log(dist, f"[reward_model] {dist.describe()} init={source.parent['kind']}:{paths.init_from} loss={section.loss}")
     if section.loss == "regression":
         num_outputs = np.load(paths.train_data)["reward_labels"].shape[1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from align_pipeline.config import SFTJob
+from align_pipeline.config.checks import check_job
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.sft import masked_token_loss
 from align_pipeline.model import init
@@ -52,6 +53,7 @@ def main(job: SFTJob) -> dict:
     logger = RunLogger(rank=dist.rank)
     tok = load_tokenizer(paths.tokenizer)
     source = init.resolve(paths.init_from, job.model, tok.vocab_size)
+    check_job("sft", job.sft, job.parallel, dist.world_size, source.model, paths.init_from, source.parent["kind"])
     log(dist, f"[sft] {dist.describe()} init={source.parent['kind']}:{paths.init_from}")
     policy = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist)
     train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist)

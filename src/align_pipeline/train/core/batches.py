@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from align_pipeline.config import TrainingConfig
+from align_pipeline.config.checks import check_batch_split
 from align_pipeline.train.core.distributed import Dist
 
 
@@ -38,12 +39,8 @@ class ArrayBatches:
         sizes = {len(v) for v in arrays.values()}
         if len(sizes) != 1:
             raise ValueError(f"arrays have different lengths: { {k: len(v) for k, v in arrays.items()} }")
+        check_batch_split(global_batch_size, micro_batch_size, dist.dp_size)
         per_rank = global_batch_size // dist.dp_size
-        if global_batch_size % dist.dp_size or per_rank % micro_batch_size:
-            raise ValueError(
-                f"global_batch_size {global_batch_size} must split into DP={dist.dp_size} ranks x "
-                f"micro-batches of {micro_batch_size}"
-            )
         self.arrays = arrays
         self.n = sizes.pop()
         self.global_batch_size = global_batch_size

@@ -17,6 +17,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from align_pipeline.config import ParallelConfig
+from align_pipeline.config.checks import Names, check_world
 from align_pipeline.train.core import megatron_cpu
 
 
@@ -79,8 +80,7 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> Dist:
         tdist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
     world = tdist.get_world_size()
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    if world % (tp * pp) != 0:
-        raise ValueError(f"world size {world} is not divisible by TP={tp} x PP={pp}")
+    check_world(parallel, world, Names(parallel="parallel", world=f"the job's world size {world}"))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=True

@@ -264,16 +264,6 @@ def validation_accuracy(model, records: list[dict], gen: GenerationConfig, tok, 
     return {"val/greedy_accuracy": totals[0].item() / n, "val/accuracy": totals[1].item() / n}
 
 
-def check_rollout_split(stage: str, prompts_per_iteration: int, samples_per_prompt: int, minibatches: int,
-                        micro_batch_size: int, dist: Dist) -> None:
-    """A rollout must split over the DP ranks, and each rank's rows into minibatches of whole micro-batches."""
-    rows = prompts_per_iteration // dist.dp_size * samples_per_prompt
-    if prompts_per_iteration % dist.dp_size or rows % (minibatches * micro_batch_size):
-        raise ValueError(
-            f"[{stage}] a rollout of {prompts_per_iteration} prompts x {samples_per_prompt} samples must split over "
-            f"DP={dist.dp_size} ranks into {minibatches} minibatches of micro-batches of {micro_batch_size} rows")
-
-
 def load_judges(paths, reward: RewardConfig, attention_backend: str, parallel, dist: Dist):
     """The frozen models of an RL stage: the KL reference (``paths.reference`` or the policy's start) and, when the
     reward uses it, the reward model with its pooling; returns (reference, reward model | None, pooling | None)."""

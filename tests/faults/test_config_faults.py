@@ -1,0 +1,83 @@
+"""Config faults through a real KedroSession on a temp copy of the project: a parallel layout, a model size or a
+launch size that cannot work fails in ParamsValidationHook, before any node runs, with one ConfigError naming the
+key: no torchrun job (no run directory, no rank log) and no MLflow run (the project's sqlite store stays empty)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # a KedroSession
+
+FAULTS = {
+    "tp3-4-heads": (
+        {"parallel": {"tensor_model_parallel_size": 3}, "launch": {"nproc_per_node": 3}},
+        r"params:parallel\.tensor_model_parallel_size=3 does not divide params:model\.num_attention_heads=4",
+    ),
+    "tp2-one-process": (
+        {"parallel": {"tensor_model_parallel_size": 2}},
+        (
+            r"params:launch\.nproc_per_node=1 x params:launch\.nnodes=1 \(world size 1\) is not divisible by "
+            r"params:parallel\.tensor_model_parallel_size=2"
+        ),
+    ),
+    "tp-negative": (
+        {"parallel": {"tensor_model_parallel_size": -2}},
+        r"params:parallel\.tensor_model_parallel_size=-2 must be >= 1",
+    ),
+    "no-layers": ({"model": {"num_layers": 0}}, r"params:model\.num_layers=0 must be >= 1"),
+    "no-processes": ({"launch": {"nproc_per_node": 0}}, r"params:launch\.nproc_per_node=0 must be >= 1"),
+}
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory) -> Path:
+    """A migrated, empty sqlite store (made once: creating one costs seconds, copying it does not)."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-store") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch, empty_store):
+    """conf/ and pyproject.toml of the repository (no data: nothing may be read), an empty migrated sqlite store."""
+    root = tmp_path / "proj"
+    (root / "src").mkdir(parents=True)  # the package itself is installed; Kedro only needs the source dir to exist
+    shutil.copytree(REPO / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
+    (root / "conf" / "local").mkdir()
+    (root / "conf" / "test").mkdir()
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    monkeypatch.chdir(root)
+    for var in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.delenv(var, raising=False)
+    shutil.copy(empty_store, root / "mlflow.db")  # "no run" below is read from a real store, not a missing file
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test-config-faults")
+    return root
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=list(FAULTS))
+def test_bad_layout_fails_before_any_node(project, fault):
+    from kedro.framework.session import KedroSession
+    from kedro.framework.startup import bootstrap_project
+    from mlflow import MlflowClient
+
+    from align_pipeline.config import ConfigError
+
+    params, message = FAULTS[fault]
+    (project / "conf" / "test" / "parameters_fault.yml").write_text(yaml.safe_dump(params))
+    bootstrap_project(project)
+    with KedroSession.create(project_path=project, env="test") as session, pytest.raises(ConfigError, match=message):
+        session.run(pipeline_names=["sft"])
+
+    assert not (project / "data" / "06_models" / "_runs").exists()  # no run directory: nothing was launched
+    assert not list(project.rglob("rank*.log")) and not list(project.rglob("torchrun.log"))
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    experiments = client.search_experiments()
+    assert not client.search_runs([e.experiment_id for e in experiments])  # no parent run, no child run
