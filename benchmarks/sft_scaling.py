@@ -201,6 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"mode": mode, "layout": str(layout), "gpus": layout.gpus, "global_batch": global_batch,
                          "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / layout.gpus,
                          "peak_memory_gib": result.get("peak_memory_gib"),
+                         "peak_memory_by_phase_gib": result.get("peak_memory_by_phase_gib") or {},
                          "losses": [h["loss"] for h in result["history"]], "val_loss": result["val_loss"],
                          "model_dir": result["model_dir"]})
             print(f"[scaling] {mode} {layout}: {tps:,.0f} tokens/s ({tps / layout.gpus:,.0f} per GPU), "
@@ -261,15 +262,17 @@ def markdown(report: dict[str, Any]) -> str:
         f"{s['steps']} steps (tokens/s over steps {s['warmup'] + 1}-{s['steps']})"),
         "",
         ("| mode | TPxPPxDP | GPUs | global batch | tokens/s | tokens/s per GPU | efficiency | peak mem GiB (rank 0) "
-        "| loss first -> last | max abs diff vs 1 GPU | reshard val-loss diff |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| train / eval / save peak GiB | loss first -> last | max abs diff vs 1 GPU | reshard val-loss diff |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         mem = f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") is not None else "-"
+        phases = r.get("peak_memory_by_phase_gib") or {}
+        by_phase = " / ".join(f"{phases[k]:.1f}" if k in phases else "-" for k in ("train", "eval", "save"))
         diff = f"{r['max_loss_diff']:.1e}" if "max_loss_diff" in r else "-"
         reshard = f"{r['reshard_val_loss_diff']:.1e}" if "reshard_val_loss_diff" in r else "-"
         lines.append(f"| {r['mode']} | {r['layout']} | {r['gpus']} | {r['global_batch']} | {r['tokens_per_s']:,.0f} "
-                     f"| {r['tokens_per_s_per_gpu']:,.0f} | {r['efficiency']:.2f} | {mem} "
+                     f"| {r['tokens_per_s_per_gpu']:,.0f} | {r['efficiency']:.2f} | {mem} | {by_phase} "
                      f"| {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} | {diff} | {reshard} |")
     return "\n".join(lines) + "\n"
 

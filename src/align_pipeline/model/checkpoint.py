@@ -31,6 +31,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from align_pipeline.data.formats import CHECKPOINT_META as META_FILE
 from align_pipeline.data.formats import checkpoint_meta as read_meta
 from align_pipeline.data.formats import is_checkpoint
+from align_pipeline.model import memory
 
 FORMAT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
@@ -107,7 +108,8 @@ def _fork_started_results_queue() -> None:
 
 def _save(state: dict[str, Any], directory: Path) -> None:
     _fork_started_results_queue()
-    dist_checkpointing.save(state, str(directory))
+    with memory.phase("save"):
+        dist_checkpointing.save(state, str(directory))
 
 
 def save_model(path: str | os.PathLike, model, meta: dict[str, Any]) -> Path:

@@ -13,6 +13,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from align_pipeline.config import OptimizerConfig, ParallelConfig
+from align_pipeline.model import memory
 from align_pipeline.model.init import ModelSource, build_model
 from align_pipeline.train.core.distributed import Dist
 from align_pipeline.train.core.schedule import ForwardLoss, run_microbatches
@@ -96,11 +97,12 @@ def train_step(t: Trainable, microbatches: list[dict[str, torch.Tensor]], forwar
 
     Returns the loss metrics (means over the loss's count, over every micro-batch and DP rank) with ``grad_norm``,
     the ``lr`` of the step and ``update_skipped`` (1 when the optimizer skipped it: a non-finite gradient)."""
-    t.model.zero_grad_buffer()
-    t.optimizer.zero_grad()
-    metrics = run_microbatches(t.model, microbatches, forward_loss, metric_names, dist, seq_length,
-                               forward_only=False)
-    ok, grad_norm, _ = t.optimizer.step()
+    with memory.phase("train"):
+        t.model.zero_grad_buffer()
+        t.optimizer.zero_grad()
+        metrics = run_microbatches(t.model, microbatches, forward_loss, metric_names, dist, seq_length,
+                                   forward_only=False)
+        ok, grad_norm, _ = t.optimizer.step()
     if ok:
         t.scheduler.step(increment=1)
     metrics.pop("count")
@@ -109,5 +111,6 @@ def train_step(t: Trainable, microbatches: list[dict[str, torch.Tensor]], forwar
 
 
 def peak_memory_gib() -> float | None:
-    """This rank's peak allocated accelerator memory in GiB (None on CPU)."""
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    """This rank's peak allocated accelerator memory in GiB over the whole job (None on CPU); per phase (train step,
+    validation, checkpoint save): :func:`align_pipeline.model.memory.peaks_gib`."""
+    return memory.overall_peak_gib()

@@ -16,6 +16,7 @@ import torch.distributed as tdist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from align_pipeline.losses.base import LossOutput
+from align_pipeline.model import memory
 from align_pipeline.train.core.batches import ArrayBatches, split_rows
 from align_pipeline.train.core.distributed import Dist
 
@@ -156,7 +157,8 @@ def evaluate_loss(model, val: ArrayBatches, forward_loss: ForwardLoss, metric_na
     """A validation pass over the first ``limit`` samples of ``val``: ``val_loss`` (= ``loss_metric``) and
     ``val_<metric>`` for the others."""
     model.eval()
-    m = run_microbatches(model, val.eval_microbatches(limit), forward_loss, metric_names, dist, seq_length,
-                         forward_only=True)
+    with memory.phase("eval"):
+        m = run_microbatches(model, val.eval_microbatches(limit), forward_loss, metric_names, dist, seq_length,
+                             forward_only=True)
     model.train()
     return {"val_loss": m[loss_metric], **{f"val_{k}": v for k, v in m.items() if k not in (loss_metric, "count")}}

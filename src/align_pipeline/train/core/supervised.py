@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from align_pipeline.config import TrainingConfig, config_hash, to_dict
+from align_pipeline.model import memory
 from align_pipeline.train.core.checkpointing import Checkpoints
 from align_pipeline.train.core.distributed import Dist
 from align_pipeline.train.core.optimizer import peak_memory_gib
@@ -71,4 +72,5 @@ def finish(stage: str, job, ckpts: Checkpoints, runlog: RunLog, step: int, cfg: 
     return runlog.finish(job.paths.run_dir, {
         **dirs, "step": step, **final, "train_loss": last.get("loss"), "train_metrics": last,
         "tokens_per_s": last.get("tokens_per_s"), "tokens_per_step": tokens_per_step,
-        "peak_memory_gib": peak_memory_gib(), "history": runlog.history})
+        "peak_memory_gib": peak_memory_gib(), "peak_memory_by_phase_gib": memory.peaks_gib(),
+        "history": runlog.history})
