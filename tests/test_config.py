@@ -408,7 +408,7 @@ def test_the_default_project_passes_every_layout_rule(pipelines):
         check_layouts(params, pipeline, _Catalog())
 
 
-@pytest.mark.parametrize("gpus", [1, 2, 4])
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
 def test_the_gpu_environment_passes_every_layout_rule(pipelines, gpus):
     """conf/gpu launches one process per visible GPU; its batches split at 1, 2 or 4 GPUs."""
     from kedro.config import OmegaConfigLoader
