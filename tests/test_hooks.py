@@ -1,6 +1,8 @@
-"""MlflowHook: one parent run per kedro run, one child per node, against a real sqlite store in tmp_path.
+"""MlflowHook: one parent run per kedro run, one child per node, against a real sqlite store in tmp_path; a child ends
+only once its node's outputs are stored, and so does the deferred clean-up of its run directory.
 
-The hook methods are driven directly (fast), and once through a real KedroSession on a tiny temporary project.
+The hook methods are driven directly (fast), in the order Kedro 1.7 calls them, and once through a real KedroSession
+on a tiny temporary project.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kedro.pipeline import Pipeline, node
 from mlflow.tracking import MlflowClient
 
 from align_pipeline.hooks import MlflowHook
+from align_pipeline.pipelines.common import RUN_DIR_CLEANUP
 from align_pipeline.tracking import child_run_env, default_tracking_uri
 
 pytestmark = pytest.mark.slow  # launches torchrun jobs or a KedroSession
@@ -78,8 +81,18 @@ def _runs(project):
     return client, parents, children
 
 
-def _drive(hook, project, pipeline, fail_node=None, session_id="2026-01-01T00.00.00.000Z"):
-    """What a SequentialRunner does with the hooks; ``fail_node`` raises instead of finishing."""
+def _save_outputs(hook, n, outputs, fail_on=None):
+    """What a Kedro task does after ``after_node_run``: save each output, then ``after_dataset_saved``; a save of
+    ``fail_on`` raises (no more hooks for the node)."""
+    for name in outputs:
+        if name == fail_on:
+            raise OSError(f"[Errno 1] Operation not permitted: {name!r}")
+        hook.after_dataset_saved(dataset_name=name, node=n)
+
+
+def _drive(hook, project, pipeline, fail_node=None, session_id="2026-01-01T00.00.00.000Z", fail_save=None):
+    """What a SequentialRunner does with the hooks; ``fail_node`` raises instead of finishing; saving the output
+    ``fail_save`` fails."""
     hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
     run_params = {
         "run_id": session_id,
@@ -103,6 +116,11 @@ def _drive(hook, project, pipeline, fail_node=None, session_id="2026-01-01T00.00
             return seen_env
         outputs = dict(zip(n.outputs, train(None, None))) if n.name == "train" else {"data": [1, 2, 3]}
         hook.after_node_run(node=n, outputs=outputs)
+        try:
+            _save_outputs(hook, n, outputs, fail_on=fail_save)
+        except OSError as error:
+            hook.on_pipeline_error(error=error)
+            return seen_env
     hook.after_pipeline_run()
     return seen_env
 
@@ -153,6 +171,151 @@ def test_failing_node_fails_child_and_parent(project):
     assert "evaluate exploded" in children["evaluate"].data.tags["kedro.error"]
     assert children["train"].info.status == "FINISHED"
     assert mlflow.active_run() is None
+
+
+def test_failing_save_fails_child_and_parent_after_logging_metrics(project):
+    """Kedro saves a node's outputs after ``after_node_run`` and calls no ``on_node_error`` when a save fails: the
+    child stays open until its outputs are stored, so it ends FAILED (with the error) instead of FINISHED."""
+    _drive(MlflowHook(), project, PIPELINE, fail_save="model")
+    _, parents, children = _runs(project)
+    assert parents[0].info.status == "FAILED"
+    assert parents[0].data.tags["kedro.failed_node"] == "train"
+    assert "Operation not permitted" in parents[0].data.tags["kedro.error"]
+    assert children["prepare"].info.status == "FINISHED"
+    trained = children["train"]
+    assert trained.info.status == "FAILED"
+    assert "OSError" in trained.data.tags["kedro.error"] and "'model'" in trained.data.tags["kedro.error"]
+    assert trained.data.metrics == {"loss": 0.5, "accuracy": 0.75, "per_task.add": 1.0}  # logged all the same
+    assert mlflow.active_run() is None
+
+
+def test_child_finishes_only_when_its_last_output_is_stored(project):
+    hook = MlflowHook()
+    hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
+    hook.before_pipeline_run(run_params={"run_id": "s"}, pipeline=PIPELINE, catalog=None)
+    n = PIPELINE.nodes[1]  # train -> train_metrics, model
+    hook.before_node_run(node=n, inputs={})
+    outputs = dict(zip(n.outputs, train(None, None)))
+    hook.after_node_run(node=n, outputs=outputs)
+    client, _, children = _runs(project)
+    assert children["train"].info.status == "RUNNING"
+    hook.after_dataset_saved(dataset_name="train_metrics", node=n)
+    assert client.get_run(children["train"].info.run_id).info.status == "RUNNING"
+    hook.after_dataset_saved(dataset_name="model", node=n)
+    assert client.get_run(children["train"].info.run_id).info.status == "FINISHED"
+    hook.after_pipeline_run()
+
+
+def _train_node_deferring(run_dir: Path):
+    """A node that, like ``launch_stage``, hands its run dir to the deferred clean-up."""
+
+    def fit(data):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        deferred = RUN_DIR_CLEANUP.defer(run_dir)
+        if not deferred:
+            shutil.rmtree(run_dir)
+        return "ckpt", {"loss": 1.0}
+
+    return node(fit, "data", ["model", "fit_metrics"], name="fit")
+
+
+@pytest.mark.parametrize("tracking", ["on", "off"])
+def test_run_dir_is_deleted_after_the_outputs_are_stored_and_kept_when_a_save_fails(
+    project, tmp_path, monkeypatch, tracking
+):
+    if tracking == "off":  # the clean-up does not depend on MLflow
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+    run_dir = tmp_path / "runs" / "fit"
+    n = _train_node_deferring(run_dir)
+    for fail in (None, "model"):
+        hook = MlflowHook()
+        hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
+        hook.before_pipeline_run(run_params={"run_id": str(fail)}, pipeline=Pipeline([n]), catalog=None)
+        hook.before_node_run(node=n, inputs={"data": 1})
+        outputs = dict(zip(n.outputs, n.func(1)))
+        hook.after_node_run(node=n, outputs=outputs)
+        assert run_dir.is_dir()  # still there while the outputs are not stored
+        try:
+            _save_outputs(hook, n, outputs, fail_on=fail)
+        except OSError as error:
+            hook.on_pipeline_error(error=error)
+            assert run_dir.is_dir()  # kept: a rerun resumes from it
+        else:
+            hook.after_pipeline_run()
+            assert not run_dir.exists()
+    assert RUN_DIR_CLEANUP.keep() == []  # nothing left registered
+    n.func(1)  # called outside a session (no hook opened the node): deleted at once, as before
+    assert not run_dir.exists()
+
+
+def test_node_error_keeps_the_run_dir(project, tmp_path):
+    run_dir = tmp_path / "runs" / "fit"
+    n = _train_node_deferring(run_dir)
+    hook = MlflowHook()
+    hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
+    hook.before_pipeline_run(run_params={"run_id": "x"}, pipeline=Pipeline([n]), catalog=None)
+    hook.before_node_run(node=n, inputs={"data": 1})
+    n.func(1)
+    error = RuntimeError("failed after registering")
+    hook.on_node_error(error=error, node=n)
+    hook.on_pipeline_error(error=error)
+    assert run_dir.is_dir() and RUN_DIR_CLEANUP.keep() == []
+
+
+def closed_port() -> int:
+    """A localhost port nothing listens on (bound, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_store_turns_tracking_off_with_one_warning(project, monkeypatch, caplog):
+    uri = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    seen_env = _drive(MlflowHook(), project, PIPELINE)  # no MLflow retries: seconds, not minutes
+    warnings = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(warnings) == 1
+    assert warnings[0].startswith(f"MLflow at {uri} is unreachable")
+    assert "tracking off for this run" in warnings[0] and "metrics.jsonl" in warnings[0]
+    assert "align-pipeline mlflow-log" in warnings[0]
+    assert seen_env == {"prepare": {}, "train": {}}  # the jobs get no run id: they do not try either
+    assert "MLflow tracking failed" not in caplog.text
+
+
+def test_store_that_goes_away_during_the_run_turns_tracking_off_once(project, monkeypatch, caplog):
+    hook = MlflowHook()
+    hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
+    hook.before_pipeline_run(run_params={"run_id": "s"}, pipeline=PIPELINE, catalog=None)
+    n = PIPELINE.nodes[1]
+    hook.before_node_run(node=n, inputs={})
+    down = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the failing call itself: at once, for the test
+    monkeypatch.setattr(hook, "_tracking_uri", down)
+    monkeypatch.setattr(hook, "_client", lambda: MlflowClient(down))  # the server goes away
+    try:
+        outputs = dict(zip(n.outputs, train(None, None)))
+        hook.after_node_run(node=n, outputs=outputs)  # fails, probes: tracking off
+        _save_outputs(hook, n, outputs)
+        hook.after_pipeline_run()
+    finally:
+        mlflow.set_tracking_uri(default_tracking_uri(project))  # for the fixture to end the runs left open
+    assert [r.getMessage()[:40] for r in caplog.records if r.levelno >= 30] == [f"MLflow at {down} is unreachable"[:40]]
+    assert not hook._enabled and hook._node_runs == {} and hook._parent_run_id is None
+
+
+def test_sqlite_store_is_never_probed_over_the_network(project, monkeypatch):
+    from align_pipeline.tracking import probe
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("a local store must not be probed")
+
+    monkeypatch.setattr(probe, "_http_unreachable", no_network)
+    monkeypatch.setattr(probe.socket, "create_connection", no_network)
+    _drive(MlflowHook(), project, PIPELINE)
+    _, parents, _ = _runs(project)
+    assert [p.info.status for p in parents] == ["FINISHED"]
 
 
 def test_runs_left_open_by_an_interrupted_run_are_closed(project):

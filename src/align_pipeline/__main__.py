@@ -4,13 +4,14 @@ Kedro.
     align-pipeline [kedro run options]                       # the pipeline, as `kedro run`
     align-pipeline export CHECKPOINT_DIR HF_DIR [--tokenizer DIR] [--dtype float32|bfloat16|float16] [--check]
     align-pipeline import HF_DIR CHECKPOINT_DIR [--tp N] [--pp N] [--seq-length N] [--check]
+    align-pipeline mlflow-log CHECKPOINT_OR_RUN_DIR [--run-id ID | --experiment NAME] [--tracking-uri URI]
 """
 
 import os
 import sys
 from pathlib import Path
 
-COMMANDS = ("export", "import")
+COMMANDS = ("export", "import", "mlflow-log")
 
 
 def export_command(argv: list[str]) -> int:
@@ -123,9 +124,63 @@ def import_command(argv: list[str]) -> int:
     return _report(summary, args.checkpoint, args.hf_dir, args.tol if args.check else None)
 
 
+def mlflow_log_command(argv: list[str]) -> int:
+    """``mlflow-log``: a job's ``metrics.jsonl`` -> MLflow (see :func:`align_pipeline.tracking.metrics_file.relog`)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="align-pipeline mlflow-log",
+                                     description="Log the metrics.jsonl a training job kept (params, step metrics, "
+                                     "final metrics) into MLflow, with its steps and timestamps: for a run trained "
+                                     "while MLflow was unreachable. Points the run already has are skipped, so it can "
+                                     "be repeated.")
+    parser.add_argument("source", help="a model checkpoint (data/06_models/<model>/<version>/<model>), a run "
+                        "directory, or a metrics.jsonl file")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--run-id", default=None, help="log into this existing run")
+    target.add_argument("--experiment", default=None,
+                        help="log into a new run of this experiment, created if needed (default: "
+                        "$MLFLOW_EXPERIMENT_NAME, else align-pipeline); a repeated re-log of the same file reuses "
+                        "the run it made")
+    parser.add_argument("--run-name", default=None, help="name of a new run (default: relog:<directory name>)")
+    parser.add_argument("--tracking-uri", default=None,
+                        help="the store (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db, the project's "
+                        "default when run from the project directory)")
+    args = parser.parse_args(argv)
+
+    from align_pipeline.tracking.metrics_file import relog, resolve
+    from align_pipeline.tracking.mlflow_logger import default_tracking_uri
+    from align_pipeline.tracking.probe import unreachable
+
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(Path.cwd())
+    try:
+        source = resolve(args.source)
+    except FileNotFoundError as exc:
+        print(f"align-pipeline mlflow-log: {exc}", file=sys.stderr)
+        return 2
+    reason = unreachable(uri)
+    if reason is not None:
+        print(f"align-pipeline mlflow-log: MLflow at {uri} is unreachable ({reason})", file=sys.stderr)
+        return 2
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    experiment = None if args.run_id else (args.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+                                           or "align-pipeline")
+    try:
+        summary = relog(source, MlflowClient(tracking_uri=uri), run_id=args.run_id, experiment=experiment,
+                        run_name=args.run_name)
+    except MlflowException as exc:
+        print(f"align-pipeline mlflow-log: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"tracking_uri": uri, **summary}))
+    return 0
+
+
 def main(*args, **kwargs):
     if not args and len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
-        sys.exit({"export": export_command, "import": import_command}[sys.argv[1]](sys.argv[2:]))
+        commands = {"export": export_command, "import": import_command, "mlflow-log": mlflow_log_command}
+        sys.exit(commands[sys.argv[1]](sys.argv[2:]))
 
     from kedro.framework.cli.utils import find_run_command
     from kedro.framework.project import configure_project

@@ -1,16 +1,32 @@
-"""Kedro hooks: MLflow tracking of a ``kedro run``.
+"""Kedro hooks: MLflow tracking of a ``kedro run``, and the clean-up of training run directories.
 
 One parent run per ``kedro run`` and one nested child run per node. While a node runs, its child run is MLflow's
 active run, so :func:`align_pipeline.tracking.child_run_env` (used by the launcher) hands its id to the torchrun job,
 whose rank 0 logs into it. Outputs named ``*_metrics`` that are dicts of numbers are logged on the child as metrics
-when the node finishes.
+when the node returns; the child ends FINISHED only once the catalog has saved every output of the node.
 
 Store: ``$MLFLOW_TRACKING_URI``, else ``sqlite:////<project>/mlflow.db`` (artifacts in ``<project>/mlruns``);
 experiment: ``$MLFLOW_EXPERIMENT_NAME``, else ``align-pipeline``. Browse with
 ``mlflow ui --backend-store-uri sqlite:///mlflow.db``.
 
-A tracking failure is logged as a warning and never fails the run. Runs are tracked per thread (MLflow's active-run
-stack is thread-local), which fits the SequentialRunner (the default) and the ThreadRunner.
+A tracking failure is logged as a warning and never fails the run. A remote store is probed once when the context is
+created (:mod:`align_pipeline.tracking.probe`, a few seconds at most); if it does not answer, the hook warns once and
+tracks nothing in this run (the jobs then get no run id, so they do not try either) and the metrics are only in the
+jobs' ``metrics.jsonl`` files, which ``align-pipeline mlflow-log`` re-logs later. Runs are tracked per thread
+(MLflow's active-run stack is thread-local), which fits the SequentialRunner (the default) and the ThreadRunner.
+
+Order of Kedro's hooks for one node (kedro 1.7, ``kedro/runner/task.py``): ``before_node_run`` -> the node function
+-> ``after_node_run`` (or ``on_node_error`` if the function raised) -> for each output ``before_dataset_saved``,
+``catalog.save``, ``after_dataset_saved``. A failing save raises out of the task without ``on_node_error``; the
+session then calls ``on_pipeline_error``. Hence:
+
+- the child run ends FINISHED at the last ``after_dataset_saved`` of its node (or at ``after_node_run`` for a node
+  without outputs); a node whose save failed is still open at ``on_pipeline_error`` and ends FAILED there, tagged
+  with the error like a node that raised, and so does the parent;
+- the run directory of a training node (:func:`align_pipeline.pipelines.common.launch_stage`) is deleted at the
+  same point, after the last output is stored, through :data:`~align_pipeline.pipelines.common.RUN_DIR_CLEANUP`; when
+  the node or a save fails it is kept, so that a rerun resumes from its training checkpoints. This part works whether
+  or not MLflow is on.
 """
 
 from __future__ import annotations
@@ -27,6 +43,7 @@ from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
+from align_pipeline.pipelines.common import RUN_DIR_CLEANUP
 from align_pipeline.tracking.lineage import git_tags
 from align_pipeline.tracking.mlflow_logger import (
     MAX_TAG_VALUE,
@@ -36,6 +53,7 @@ from align_pipeline.tracking.mlflow_logger import (
     numeric_items,
     param_value,
 )
+from align_pipeline.tracking.probe import unreachable, unreachable_message
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +84,7 @@ class MlflowHook:
         self._session_id = ""
         self._default_env = "local"
         self._node_runs: dict[str, str] = {}  # node name -> child run id (still open)
+        self._unsaved: dict[str, set[str]] = {}  # node name -> its outputs the catalog has not stored yet
         self._lock = threading.Lock()
         self._atexit = False
 
@@ -76,7 +95,23 @@ class MlflowHook:
         try:
             yield
         except Exception as exc:  # noqa: BLE001 — by design, tracking never fails a kedro run
+            reason = unreachable(self._tracking_uri) if self._enabled and self._tracking_uri else None
+            if reason is not None:  # the server went away during the run: stop calling it (each call retries ~4 min)
+                self._tracking_off(reason, during_run=True)
+                return
             logger.warning("MLflow tracking failed in %s (the run continues): %s: %s", what, type(exc).__name__, exc)
+
+    def _tracking_off(self, reason: str, during_run: bool = False) -> None:
+        """Warn that the store is unreachable and track nothing more in this run (its open runs stay as they are)."""
+        self._enabled = False
+        with self._lock:
+            self._node_runs, self._parent_run_id = {}, None
+        if during_run:  # MLflow's own atexit ends the runs left on its stack: let those calls fail at once
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+        kept = "<run dir>/metrics.jsonl of each job, copied into its model checkpoint (<checkpoint>/metrics.jsonl)"
+        uri = self._tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
+        logger.warning(unreachable_message(uri, reason, kept, f"<checkpoint> --experiment {experiment}"))
 
     @staticmethod
     def _client():
@@ -103,6 +138,15 @@ class MlflowHook:
             with self._guard("ending a run"):
                 self._end(run_id, status)
 
+    def _outputs_stored(self, node_name: str) -> None:
+        """Every output of the node is in the catalog: end its child run FINISHED, delete its deferred run dirs."""
+        with self._lock:
+            run_id = self._node_runs.pop(node_name, None)
+        if run_id is not None:
+            with self._guard("ending the node run"):
+                self._end(run_id, "FINISHED")
+        RUN_DIR_CLEANUP.release(node_name)
+
     def _at_exit(self) -> None:  # Ctrl-C or a crash the pipeline hooks never saw
         if self._parent_run_id or self._node_runs:
             self._end_open_runs("KILLED")
@@ -128,6 +172,11 @@ class MlflowHook:
             self._default_env = getattr(getattr(context, "config_loader", None), "default_run_env", None) or "local"
             default_uri = default_tracking_uri(self._project_path)
             uri = os.environ.get("MLFLOW_TRACKING_URI") or default_uri
+            reason = unreachable(uri)  # one short request for a remote store; a local one is never probed
+            if reason is not None:
+                self._tracking_uri = uri
+                self._tracking_off(reason)
+                return
             os.environ["MLFLOW_TRACKING_URI"] = uri
             mlflow.set_tracking_uri(uri)
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
@@ -150,6 +199,10 @@ class MlflowHook:
     @hook_impl
     def before_pipeline_run(self, run_params: dict[str, Any], pipeline: Any, catalog: Any) -> None:
         """Start the parent run (tags: pipeline, session id, env, git commit, kedro version, node names)."""
+        with self._lock:
+            self._unsaved.clear()  # left by an interrupted earlier run in this process
+        RUN_DIR_CLEANUP.keep()  # ... and so are the run dirs it had not released: kept on disk, for a resume
+        RUN_DIR_CLEANUP.end()
         if not self._enabled:
             return
         with self._guard("before_pipeline_run"):
@@ -196,7 +249,9 @@ class MlflowHook:
 
     @hook_impl
     def before_node_run(self, node: Any, inputs: dict[str, Any]) -> None:
-        """Start the node's child run (tags: node, session id, inputs, outputs; params: its ``params:`` inputs)."""
+        """Start the node's child run (tags: node, session id, inputs, outputs; params: its ``params:`` inputs), and
+        open the deferral of run-dir clean-up for the node (in this thread, where Kedro runs the node function)."""
+        RUN_DIR_CLEANUP.begin(node.name)
         if not self._enabled or self._parent_run_id is None:
             return
         with self._guard("before_node_run"):
@@ -237,30 +292,50 @@ class MlflowHook:
 
     @hook_impl
     def after_node_run(self, node: Any, outputs: dict[str, Any]) -> None:
-        """Log ``*_metrics`` outputs (dicts of numbers, nested keys joined with ``.``) and end the child FINISHED."""
+        """Log ``*_metrics`` outputs (dicts of numbers, nested keys joined with ``.``) on the child run, which stays
+        open until the catalog has stored the outputs (:meth:`after_dataset_saved`)."""
+        RUN_DIR_CLEANUP.end()
         with self._lock:
-            run_id = self._node_runs.pop(node.name, None)
-        if run_id is None:
-            return
-        with self._guard("after_node_run"):
-            from mlflow.entities import Metric
+            run_id = self._node_runs.get(node.name)
+            if outputs:
+                self._unsaved[node.name] = set(outputs)
+        if run_id is not None:
+            with self._guard("after_node_run"):
+                from mlflow.entities import Metric
 
-            metrics: dict[str, float] = {}
-            for name, value in (outputs or {}).items():
-                if name.endswith(METRICS_SUFFIX) and isinstance(value, dict):
-                    metrics.update(numeric_items(value))
-            if metrics:
-                now = int(time.time() * 1000)
-                items = [Metric(k, v, now, 0) for k, v in metrics.items()]
-                client = self._client()
-                for i in range(0, len(items), 1000):
-                    client.log_batch(run_id, metrics=items[i : i + 1000], synchronous=True)
-        with self._guard("ending the node run"):
-            self._end(run_id, "FINISHED")
+                metrics: dict[str, float] = {}
+                for name, value in (outputs or {}).items():
+                    if name.endswith(METRICS_SUFFIX) and isinstance(value, dict):
+                        metrics.update(numeric_items(value))
+                if metrics:
+                    now = int(time.time() * 1000)
+                    items = [Metric(k, v, now, 0) for k, v in metrics.items()]
+                    client = self._client()
+                    for i in range(0, len(items), 1000):
+                        client.log_batch(run_id, metrics=items[i : i + 1000], synchronous=True)
+        if not outputs:
+            self._outputs_stored(node.name)
+
+    @hook_impl
+    def after_dataset_saved(self, dataset_name: str, node: Any) -> None:
+        """After the node's last output is stored: end its child run FINISHED and delete its run directory."""
+        with self._lock:
+            unsaved = self._unsaved.get(node.name)
+            if unsaved is None:
+                return
+            unsaved.discard(dataset_name)
+            done = not unsaved
+            if done:
+                del self._unsaved[node.name]
+        if done:
+            self._outputs_stored(node.name)
 
     @hook_impl
     def on_node_error(self, error: Exception, node: Any) -> None:
-        """Mark the node's child run and the parent FAILED (both ended)."""
+        """Mark the node's child run and the parent FAILED (both ended); keep the node's run directory."""
+        RUN_DIR_CLEANUP.end()
+        for run_dir in RUN_DIR_CLEANUP.keep(node.name):
+            logger.info("%s failed: run directory %s kept (a rerun resumes from it)", node.name, run_dir)
         with self._lock:
             run_id = self._node_runs.pop(node.name, None)
         if run_id is not None:
@@ -274,17 +349,45 @@ class MlflowHook:
 
     @hook_impl
     def after_pipeline_run(self) -> None:
-        """End the parent run FINISHED."""
+        """End the parent run FINISHED (every node has stored its outputs: the run succeeded)."""
+        RUN_DIR_CLEANUP.end()
+        with self._lock:
+            stored, self._unsaved = list(self._unsaved), {}
+        for name in stored:  # none in kedro 1.7, which saves a node's outputs before the node counts as done
+            self._outputs_stored(name)
         self._end_open_runs("FINISHED")
 
     @hook_impl
     def on_pipeline_error(self, error: Exception) -> None:
-        """End the parent run (and any open child) FAILED."""
+        """End the parent run (and any open child) FAILED. A node whose outputs were not all stored (a failing
+        save: Kedro calls no ``on_node_error`` then) gets the error as its child's ``kedro.error`` tag and is the
+        parent's ``kedro.failed_node``; its run directory is kept for a rerun to resume from."""
+        message = f"{type(error).__name__}: {error}"[:MAX_TAG_VALUE]
+        RUN_DIR_CLEANUP.end()
+        with self._lock:
+            unsaved, self._unsaved = sorted(self._unsaved), {}
+            children = {name: self._node_runs[name] for name in unsaved if name in self._node_runs}
+        for name in unsaved:
+            for run_dir in RUN_DIR_CLEANUP.keep(name):
+                logger.warning(
+                    "%s: its outputs were not all stored (%s); run directory %s kept, a rerun resumes "
+                    "from its checkpoint",
+                    name,
+                    message,
+                    run_dir,
+                )
+        RUN_DIR_CLEANUP.keep()
+        for run_id in children.values():
+            with self._guard("on_pipeline_error"):
+                self._client().set_tag(run_id, "kedro.error", message)
         if self._parent_run_id is not None:
             with self._guard("on_pipeline_error"):
-                self._client().set_tag(
-                    self._parent_run_id, "kedro.error", f"{type(error).__name__}: {error}"[:MAX_TAG_VALUE]
-                )
+                tags = {"kedro.error": message}
+                if unsaved:
+                    tags["kedro.failed_node"] = _join(unsaved)
+                client = self._client()
+                for key, value in tags.items():
+                    client.set_tag(self._parent_run_id, key, value)
         self._end_open_runs("FAILED")
 
 

@@ -1,6 +1,8 @@
-"""Rank-0 MLflow logging, system/GPU metrics and lineage tags for torchrun entry points (no Kedro imports)."""
+"""Rank-0 MLflow logging (and its metrics.jsonl), the tracking-store probe, system/GPU metrics and lineage tags for
+torchrun entry points (no Kedro imports)."""
 
 from align_pipeline.tracking.lineage import git_commit, git_dirty, git_tags, lineage_tags
+from align_pipeline.tracking.metrics_file import METRICS_FILE, MetricsFile, relog
 from align_pipeline.tracking.mlflow_logger import (
     RunLogger,
     child_run_env,
@@ -8,9 +10,12 @@ from align_pipeline.tracking.mlflow_logger import (
     flatten,
     numeric_items,
 )
+from align_pipeline.tracking.probe import unreachable
 from align_pipeline.tracking.system_metrics import SystemMetrics
 
 __all__ = [
+    "METRICS_FILE",
+    "MetricsFile",
     "RunLogger",
     "SystemMetrics",
     "child_run_env",
@@ -21,4 +26,6 @@ __all__ = [
     "git_tags",
     "lineage_tags",
     "numeric_items",
+    "relog",
+    "unreachable",
 ]

@@ -3,8 +3,14 @@
 The Kedro hook owns the runs (one parent per ``kedro run``, one child per node). A torchrun job never creates a run:
 it *attaches* to the node's child run, whose id arrives in ``MLFLOW_RUN_ID`` (and the store in
 ``MLFLOW_TRACKING_URI``), both set by the launcher from :func:`child_run_env`. Every rank builds a :class:`RunLogger`;
-only rank 0 with ``MLFLOW_RUN_ID`` set logs, the others get a no-op. A tracking failure is a warning, never a
-training failure. Running an entry point by hand without ``MLFLOW_RUN_ID`` simply logs nothing.
+only rank 0 logs, the others get a no-op. A tracking failure is a warning, never a training failure.
+
+Rank 0 also keeps everything it logs (params, step and final metrics, tags) in ``<run_dir>/metrics.jsonl``, whether
+or not MLflow is up or a run id was given (:mod:`align_pipeline.tracking.metrics_file`); the end of the run copies it
+into the model checkpoints. Before attaching, rank 0 probes a remote store once (:mod:`align_pipeline.tracking.probe`,
+a few seconds at most): if it does not answer, the job warns once and trains without MLflow instead of waiting out
+MLflow's retries; the same happens when the store stops answering during the run. Running an entry point by hand
+without ``MLFLOW_RUN_ID`` logs nothing to MLflow (the file is still written).
 
     log = RunLogger(rank)                       # every rank
     log.log_params(to_dict(cfg))                # nested keys flattened with "."
@@ -24,10 +30,12 @@ import logging
 import os
 import re
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from align_pipeline.tracking.metrics_file import MetricsFile, job_metrics_path, now_ms
+from align_pipeline.tracking.probe import unreachable, unreachable_message
 
 logger = logging.getLogger(__name__)
 
@@ -130,19 +138,34 @@ def numeric_items(data: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+_WARNED_UNREACHABLE = False
+
+
+def _metrics_path(metrics_file: str | Path | bool | None) -> Path | None:
+    if metrics_file is False:
+        return None
+    if metrics_file not in (None, True):
+        return Path(metrics_file).resolve()
+    from_env = os.environ.get("ALIGN_METRICS_FILE")
+    return Path(from_env).resolve() if from_env else job_metrics_path()
+
+
 def _chunks(items: list, size: int):
     for i in range(0, len(items), size):
         yield items[i : i + size]
 
 
 class RunLogger:
-    """Logs into an existing MLflow run from rank 0 of a torchrun job; a no-op on other ranks or without a run id.
+    """Logs into an existing MLflow run from rank 0 of a torchrun job, and keeps what it logs in ``metrics.jsonl``;
+    a no-op on other ranks.
 
     Args:
         rank: this process's global rank (``None`` = ``$RANK``, default 0).
         run_id: the run to attach to (``None`` = ``$MLFLOW_RUN_ID``). The run must exist; none is created.
         tracking_uri: the store (``None`` = ``$MLFLOW_TRACKING_URI``, else MLflow's default).
         system_metrics: sample CPU/memory/GPU in :meth:`log_system_metrics`.
+        metrics_file: where rank 0 keeps its record (``None`` = ``$ALIGN_METRICS_FILE``, else ``metrics.jsonl`` in
+            the run directory of the job's ``--config``, else nowhere; ``False`` = nowhere).
     """
 
     def __init__(
@@ -152,21 +175,32 @@ class RunLogger:
         tracking_uri: str | None = None,
         *,
         system_metrics: bool = True,
+        metrics_file: str | Path | bool | None = None,
     ) -> None:
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
         self.run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or None
+        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
         self._client: Any = None
         self._system: Any = None
+        self._file: MetricsFile | None = None
         self._warned: set[str] = set()
-        if self.rank != 0 or not self.run_id:
+        if self.rank != 0:
             return
-        with self._safely("attach"):
-            from mlflow.tracking import MlflowClient
+        path = _metrics_path(metrics_file)
+        if self.run_id:
+            reason = unreachable(self.tracking_uri)
+            if reason is not None:
+                self._tracking_off(reason, path)
+            else:
+                with self._safely("attach"):
+                    from mlflow.tracking import MlflowClient
 
-            client = MlflowClient(tracking_uri=tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None)
-            client.get_run(self.run_id)  # fail now (→ warning, inactive) if the run is not there
-            self._client = client
-        if self._client is not None and system_metrics:
+                    client = MlflowClient(tracking_uri=self.tracking_uri)
+                    client.get_run(self.run_id)  # fail now (→ warning, inactive) if the run is not there
+                    self._client = client
+        if path is not None:
+            self._file = MetricsFile(path, self.run_id if self._client is not None else None, self.tracking_uri)
+        if (self._client is not None or self._file is not None) and system_metrics:
             with self._safely("system_metrics"):
                 from align_pipeline.tracking.system_metrics import SystemMetrics
 
@@ -177,12 +211,34 @@ class RunLogger:
         """True when this logger writes to MLflow (rank 0, attached to a run)."""
         return self._client is not None
 
+    @property
+    def metrics_path(self) -> Path | None:
+        """The ``metrics.jsonl`` rank 0 keeps (None on other ranks, or when it keeps none)."""
+        return self._file.path if self._file is not None else None
+
+    def _tracking_off(self, reason: str, path: Path | None) -> None:
+        """Warn (once per process) that the store is unreachable and stop talking to it."""
+        self._client = None
+        global _WARNED_UNREACHABLE
+        if _WARNED_UNREACHABLE:
+            return
+        _WARNED_UNREACHABLE = True
+        kept = str(path) if path is not None else "no metrics.jsonl (this process has no --config run dir)"
+        relog = f"{path.parent if path is not None else '<run dir>'} --run-id {self.run_id}"
+        logger.warning(unreachable_message(self.tracking_uri or "", reason, kept, relog))
+
     @contextlib.contextmanager
     def _safely(self, what: str):
-        """Turn any tracking error into a warning (once per kind; later ones at DEBUG): training goes on."""
+        """Turn any tracking error into a warning (once per kind; later ones at DEBUG): training goes on. If the
+        store has stopped answering, tracking is switched off for the rest of the run (one probe, seconds)."""
         try:
             yield
         except Exception as exc:  # noqa: BLE001 — by contract, tracking never fails training
+            if self._client is not None:
+                reason = unreachable(self.tracking_uri)
+                if reason is not None:
+                    self._tracking_off(reason, self.metrics_path)
+                    return
             if what in self._warned:
                 logger.debug("MLflow %s failed again: %s", what, exc)
                 return
@@ -194,31 +250,38 @@ class RunLogger:
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log (nested) params; keys flattened with ``.``, values stringified and cut to 6000 characters."""
-        if not self.active:
+        if not self.active and self._file is None:
             return
         with self._safely("log_params"):
-            from mlflow.entities import Param
+            items = {clean_key(k): param_value(v) for k, v in flatten(params).items()}
+            if self._file is not None:
+                self._file.write({"type": "params", "params": items})
+            if self.active:
+                from mlflow.entities import Param
 
-            items = [Param(clean_key(k), param_value(v)) for k, v in flatten(params).items()]
-            for chunk in _chunks(items, _PARAMS_PER_BATCH):
-                self._client.log_batch(self.run_id, params=chunk, synchronous=True)
+                for chunk in _chunks([Param(k, v) for k, v in items.items()], _PARAMS_PER_BATCH):
+                    self._client.log_batch(self.run_id, params=chunk, synchronous=True)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Log numeric metrics at ``step`` in one batch; nested keys flattened, non-numbers dropped."""
-        if not self.active:
+        if not self.active and self._file is None:
             return
         with self._safely("log_metrics"):
-            from mlflow.entities import Metric
+            now, step = now_ms(), int(step or 0)  # the same timestamp in the file and in MLflow
+            values = numeric_items(metrics)
+            if self._file is not None and values:
+                self._file.write({"type": "metrics", "step": step, "metrics": values}, timestamp=now)
+            if self.active:
+                from mlflow.entities import Metric
 
-            now = int(time.time() * 1000)
-            items = [Metric(key, value, now, int(step or 0)) for key, value in numeric_items(metrics).items()]
-            for chunk in _chunks(items, _METRICS_PER_BATCH):
-                self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+                items = [Metric(key, value, now, step) for key, value in values.items()]
+                for chunk in _chunks(items, _METRICS_PER_BATCH):
+                    self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
 
     def log_system_metrics(self, step: int | None = None) -> dict[str, float]:
         """Sample CPU %, process RSS, system memory and (with NVML) GPU utilisation/memory/power; log them at
         ``step``. Returns the sample ({} when inactive)."""
-        if not self.active or self._system is None:
+        if self._system is None or (not self.active and self._file is None):
             return {}
         sample: dict[str, float] = {}
         with self._safely("system_metrics"):
@@ -229,14 +292,17 @@ class RunLogger:
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         """Set string tags (values stringified, cut to 8000 characters)."""
-        if not self.active:
+        if not self.active and self._file is None:
             return
         with self._safely("set_tags"):
-            from mlflow.entities import RunTag
+            values = {clean_key(k): str(v)[:MAX_TAG_VALUE] for k, v in tags.items() if v is not None}
+            if self._file is not None:
+                self._file.write({"type": "tags", "tags": values})
+            if self.active:
+                from mlflow.entities import RunTag
 
-            items = [RunTag(clean_key(k), str(v)[:MAX_TAG_VALUE]) for k, v in tags.items() if v is not None]
-            for chunk in _chunks(items, _TAGS_PER_BATCH):
-                self._client.log_batch(self.run_id, tags=chunk, synchronous=True)
+                for chunk in _chunks([RunTag(k, v) for k, v in values.items()], _TAGS_PER_BATCH):
+                    self._client.log_batch(self.run_id, tags=chunk, synchronous=True)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file, or a directory's contents, to the run's artifacts (under ``artifact_path``)."""
@@ -249,12 +315,17 @@ class RunLogger:
             else:
                 self._client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def copy_metrics_to(self, directory: str | Path) -> Path | None:
+        """Copy ``metrics.jsonl`` into ``directory`` (a model checkpoint the job exports); the copy's path or None."""
+        return self._file.copy_to(directory) if self._file is not None else None
+
     def close(self) -> None:
         """Stop logging. The run itself is left open: the Kedro hook ends it when the node finishes."""
         if self._system is not None:
             self._system.close()
         self._client = None
         self._system = None
+        self._file = None
 
     def __enter__(self):
         return self

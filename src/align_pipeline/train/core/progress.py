@@ -92,8 +92,13 @@ class RunLog:
 
 
 def finish(dist: Dist, logger, run_dir: str | Path, result: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0 writes ``run_dir/result.json``; every rank closes its tracking and process groups."""
+    """Rank 0 copies its ``metrics.jsonl`` into every model checkpoint named in ``result`` (``*_dir`` keys: the copy
+    outlives the run directory and travels with the catalog version), then writes ``run_dir/result.json``; every rank
+    closes its tracking and process groups."""
     if dist.is_logging_rank:
+        for key, value in result.items():
+            if key.endswith("_dir") and isinstance(value, str) and (Path(value) / "meta.json").is_file():
+                logger.copy_metrics_to(value)
         (Path(run_dir) / "result.json").write_text(json.dumps(result, indent=2))
     logger.close()
     shutdown()
