@@ -190,6 +190,11 @@ def test_failed_save_keeps_previous_set_and_mixed_set_is_refused(project, tmp_pa
     assert f"(fingerprint {after['tokenizer']})" in msg and f"tokenizer {before['tokenizer']}" in msg
     assert "sft_train" not in msg and "rerun `kedro run --pipelines data_prep`" in msg
 
+    # Every stage checks the same before it launches anything: SFT on the mixed set stops with that message.
+    with _session(project) as session, pytest.raises(DataValidationError, match=r"^sft_val\.npz was not tokenized"):
+        session.run(pipeline_names=["sft"])
+    assert not list((project / "data").rglob("rank0.log"))  # no job was started
+
 
 def test_rename_refused_half_way_through_the_commit_restores_previous_set(project):
     _run(project)

@@ -24,7 +24,7 @@ from align_pipeline.config import (
     from_dict,
     to_dict,
 )
-from align_pipeline.data.formats import Artifact
+from align_pipeline.data.formats import Artifact, check_tokenized_with
 from align_pipeline.launch import run_torchrun
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,10 @@ def run_dir_for(section: StageRunConfig, stage_name: str, key: dict[str, Any]) -
 
 
 def data_lineage(tokenizer: Artifact, train: Artifact, val: Artifact) -> dict[str, Any]:
-    """Fingerprints of the data a job reads (recorded in its checkpoint's meta.json and in MLflow tags)."""
+    """Fingerprints of the data a job reads (recorded in its checkpoint's meta.json and in MLflow tags), after checking
+    that both splits were tokenized with ``tokenizer`` (``DataValidationError`` otherwise: data_prep outputs from
+    different runs)."""
+    check_tokenized_with(tokenizer, **{Path(a.path).name: a for a in (train, val)})
     return {"train": train.fingerprint, "val": val.fingerprint, "tokenizer": tokenizer.fingerprint}
 
 

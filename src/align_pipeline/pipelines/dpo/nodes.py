@@ -17,7 +17,7 @@ from align_pipeline.config import (
     from_dict,
     to_dict,
 )
-from align_pipeline.data.formats import Artifact, checkpoint_meta, content_fingerprint
+from align_pipeline.data.formats import Artifact, check_tokenized_with, checkpoint_meta, content_fingerprint
 from align_pipeline.launch import run_torchrun
 from align_pipeline.pipelines.common import run_supervised_stage, train_paths, typed_params
 
@@ -40,6 +40,7 @@ def compute_reference_logps(sft_policy: str, tokenizer: Artifact, pref_train: Ar
     A rerun with the same reference version, data and tokenizer reuses the file; any change recomputes it.
     """
     params = from_dict(DPOConfig, dpo, "params:dpo")
+    check_tokenized_with(tokenizer, pref_train=pref_train, pref_val=pref_val)
     key = reference_key(sft_policy, tokenizer, pref_train, pref_val)
     output = (Path(params.reference_cache_dir) / f"{key}.npz").resolve()
     meta = {"key": key, "reference": sft_policy, "pref_train": pref_train.fingerprint, "pref_val": pref_val.fingerprint,
