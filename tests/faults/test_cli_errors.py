@@ -4,26 +4,19 @@ traceback; ``--traceback`` shows it. Real ``kedro`` CLI in a subprocess on a tem
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from projects import copy_project
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # starts the kedro CLI
 
 
 @pytest.fixture
 def project(tmp_path):
-    root = tmp_path / "proj"
-    (root / "src").mkdir(parents=True)
-    shutil.copytree(REPO / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
-    (root / "conf" / "local").mkdir()
-    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
-    shutil.copytree(REPO / "data" / "01_raw", root / "data" / "01_raw")
-    return root
+    return copy_project(tmp_path / "proj")
 
 
 def _kedro(root: Path, *args: str) -> subprocess.CompletedProcess:

@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from projects import copy_project
 
 from align_pipeline.data.demo_task import make_demo_datasets
 from align_pipeline.data.formats import check_tokenized_with, content_fingerprint
@@ -29,7 +30,6 @@ from align_pipeline.data.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow  # launches a KedroSession
 
-ROOT = Path(__file__).resolve().parents[2]
 OUTPUT_DIRS = ("02_intermediate", "03_primary", "05_model_input", "06_models")
 NAMES = {
     "sft_train": "sft_train.npz",
@@ -51,10 +51,7 @@ def project(tmp_path, monkeypatch, mlflow_uri):
     """A copy of the project (conf/base, pyproject.toml) with small raw data and empty output folders."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     monkeypatch.setenv("KEDRO_DISABLE_TELEMETRY", "true")
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    shutil.copytree(ROOT / "conf" / "base", tmp_path / "conf" / "base")
-    (tmp_path / "conf" / "local").mkdir()
-    (tmp_path / "src").mkdir()  # bootstrap_project wants the source dir; the package itself is installed
+    copy_project(tmp_path, raw=False)
     (tmp_path / "data" / "01_raw").mkdir(parents=True)
     for kind, records in make_demo_datasets(n_sft=40, n_preference=20, n_prompts=10, seed=1).items():
         _write_jsonl(tmp_path / "data" / "01_raw" / f"{kind}.jsonl", records)

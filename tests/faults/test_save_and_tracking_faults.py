@@ -21,9 +21,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from projects import copy_project
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # KedroSessions that launch torchrun jobs
 
 STEPS = 2
@@ -52,14 +51,7 @@ def closed_port() -> int:
 @pytest.fixture
 def project(tmp_path, monkeypatch):
     """A temp copy of the project (conf, raw data) with env ``test`` = the default config and a 2-step SFT."""
-    root = tmp_path / "proj"
-    (root / "src").mkdir(parents=True)  # the package itself is installed; Kedro only needs the source dir to exist
-    shutil.copytree(REPO / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
-    (root / "conf" / "local").mkdir()
-    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
-    shutil.copytree(REPO / "data" / "01_raw", root / "data" / "01_raw")
-    (root / "conf" / "test").mkdir()
-    (root / "conf" / "test" / "parameters_faults.yml").write_text(yaml.safe_dump(PARAMS))
+    root = copy_project(tmp_path / "proj", params={"test/faults": PARAMS})
     monkeypatch.chdir(root)
     for var in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "ALIGN_METRICS_FILE"):
         monkeypatch.delenv(var, raising=False)

@@ -7,7 +7,6 @@ Real ``kedro`` CLI in subprocesses on a temp copy of the project, a tiny model, 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,9 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-import yaml
+from projects import copy_project
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # kedro CLI + torchrun jobs
 
 STEPS = 12
@@ -34,14 +32,7 @@ FAST = {
 
 @pytest.fixture
 def project(tmp_path):
-    root = tmp_path / "proj"
-    (root / "src").mkdir(parents=True)
-    shutil.copytree(REPO / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
-    (root / "conf" / "local").mkdir()
-    (root / "conf" / "local" / "parameters_fast.yml").write_text(yaml.safe_dump(FAST))
-    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
-    shutil.copytree(REPO / "data" / "01_raw", root / "data" / "01_raw")
-    return root
+    return copy_project(tmp_path / "proj", params={"local/fast": FAST})
 
 
 def _kedro(root: Path, *args: str, **popen: object) -> subprocess.Popen:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,4 +40,4 @@ def test_a_tampered_rng_file_is_refused_not_unpickled(tmp_path, monkeypatch):
     with pytest.raises(pickle.UnpicklingError):
         torch.load(tmp_path / "rank_00000.pt", weights_only=True)
     assert not (tmp_path / "pwned").exists()
-    assert "weights_only=True" in open(checkpoint.__file__).read().split("def load_training", 1)[1]
+    assert "weights_only=True" in Path(checkpoint.__file__).read_text().split("def load_training", 1)[1]

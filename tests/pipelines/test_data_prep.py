@@ -7,18 +7,17 @@ artifact with its sidecar, deterministically.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from projects import copy_project
 
 from align_pipeline.data.demo_task import make_demo_datasets
 from align_pipeline.data.schemas import DataValidationError
 
 pytestmark = pytest.mark.slow  # launches torchrun jobs or a KedroSession
 
-ROOT = Path(__file__).resolve().parents[2]
 OUTPUT_DIRS = ("02_intermediate", "03_primary", "05_model_input", "06_models")
 OUTPUTS = ("sft_train.npz", "sft_val.npz", "pref_train.npz", "pref_val.npz", "prompts_train.jsonl", "prompts_val.jsonl")
 
@@ -33,11 +32,7 @@ def project(tmp_path, monkeypatch, mlflow_uri):
     """A copy of the project (conf/base, pyproject.toml, data/01_raw) with empty output folders."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     monkeypatch.setenv("KEDRO_DISABLE_TELEMETRY", "true")
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    shutil.copytree(ROOT / "conf" / "base", tmp_path / "conf" / "base")
-    (tmp_path / "conf" / "local").mkdir()
-    (tmp_path / "src").mkdir()  # bootstrap_project wants the source dir; the package itself is installed
-    shutil.copytree(ROOT / "data" / "01_raw", tmp_path / "data" / "01_raw")
+    copy_project(tmp_path)
     for d in OUTPUT_DIRS:
         (tmp_path / "data" / d).mkdir()
     return tmp_path

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
+from projects import copy_project
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -23,14 +23,7 @@ FAST = {
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
-    root = tmp_path / "proj"
-    (root / "src").mkdir(parents=True)  # the package itself is installed; Kedro only needs the source dir to exist
-    shutil.copytree(REPO / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
-    (root / "conf" / "local").mkdir()
-    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
-    shutil.copytree(REPO / "data" / "01_raw", root / "data" / "01_raw")
-    (root / "conf" / "test").mkdir()
-    (root / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(FAST))
+    root = copy_project(tmp_path / "proj", params={"test/fast": FAST})
     monkeypatch.chdir(root)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test-sft")
