@@ -68,7 +68,9 @@ def test_cached_logps_equal_an_independent_forward_and_are_reused(setup, tmp_pat
     # Changed data -> new key -> recomputed, here at DP=2 with another micro-batch size: the same numbers.
     arrays = dict(np.load(pref["train"]))
     changed = tmp_path / "pref_train_changed.npz"
-    save_npz(changed, {k: v[:-3] for k, v in arrays.items()}, {"source": "test"})
+    tokenized_with = load_artifact(pref["train"]).meta["tokenizer_fingerprint"]
+    save_npz(changed, {k: v[:-3] for k, v in arrays.items()},
+             {"source": "test", "tokenizer_fingerprint": tokenized_with})  # fmt: skip
     rebuilt = _node(root, policy, pref, load_artifact(changed), micro=4, nproc=2)  # new key: data changed
     assert rebuilt.meta["reused"] is False and rebuilt.path != first.path
     fresh = np.load(rebuilt.path)

@@ -120,6 +120,9 @@ class StagedWrites:
                         "written – the previous ones are unchanged"
                     )
             self.abort()
+            for staged, _ in pairs:  # a set aborted by another thread mid-write: what this write left after that
+                with contextlib.suppress(OSError):
+                    _remove(staged)
             raise OutputsNotWritten(self._why_closed()) from exc
         with self._lock:
             closed = self.state != "open"  # aborted meanwhile by a write that failed in another thread
