@@ -32,7 +32,7 @@ GOOD_SFT = {"input": "add: 1+2\n", "output": "3"}
             "expected a number, got string",
         ),
         ("prompts", {"prompt": 5}, "prompt", "expected a string, got int"),
-        ("prompts", {"prompt": "p", "answer": "a", "id": 3}, "id", "unknown field"),
+        ("prompts", {"prompt": "p", "answer": "a", "prompt_ids": [3]}, "prompt_ids", "reserved"),
     ],
 )
 def test_bad_records_name_file_line_field(tmp_path, kind, bad_line, field, words):

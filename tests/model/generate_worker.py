@@ -8,7 +8,8 @@
                                "<prefix>switches_restored": bool}
 
 ``rows`` picks prompts (default all); ``one_by_one`` calls generate once per prompt and concatenates the results;
-``eos_from`` sets ``eos_id`` to a token an earlier case generated; ``score`` adds ``scored_logprobs``, the generated
+``eos_from`` sets ``eos_id`` to a token an earlier case generated (with the case's own ``eos_id``: both are stop
+ids); ``score`` adds ``scored_logprobs``, the generated
 tokens' log-probs from a plain training-style forward (one unpadded row, no mask, no cache). Each of ``variants``
 runs its cases (default all) again as ``<prefix><name>`` on a model built with those ParallelConfig / ModelConfig
 overrides (e.g. sequence parallelism, Megatron's local attention); ``mask_ignoring_core_attention`` replaces every
@@ -42,7 +43,8 @@ def run_cases(model, cfg: dict, prefix: str, names: list[str] | None) -> dict:
         kwargs.setdefault("vocab_size", cfg["vocab_size"])
         if case.get("eos_from"):
             src, row, index = case["eos_from"]
-            kwargs["eos_id"] = results[prefix + src]["tokens"][row][index]
+            generated = results[prefix + src]["tokens"][row][index]
+            kwargs["eos_id"] = [kwargs["eos_id"], generated] if kwargs.get("eos_id") is not None else generated
         rows = case.get("rows") or list(range(len(cfg["prompts"])))
         prompts = [cfg["prompts"][i] for i in rows]
         model.train()  # generate() must switch to eval and back

@@ -70,6 +70,8 @@ def _cases(tok, batch: list[int]) -> tuple[list[dict], list[dict]]:
         {"name": "greedy_one_by_one", "kwargs": greedy, "rows": batch, "one_by_one": True},
         {"name": "greedy_eos", "kwargs": {**greedy, "eos_id": tok.eos_id}, "rows": batch},
         {"name": "greedy_eos_generated", "kwargs": greedy, "rows": batch, "eos_from": ["greedy", 1, 3]},
+        {"name": "greedy_two_stops", "kwargs": {**greedy, "eos_id": tok.eos_id}, "rows": batch,
+         "eos_from": ["greedy", 1, 3]},
         {"name": "greedy_cap", "kwargs": {**greedy, "max_new_tokens": 5}, "rows": batch},
         {"name": "top_k_1", "kwargs": {**sample, "top_k": 1}, "rows": batch},
         {"name": "cold", "kwargs": {**sample, "temperature": 1e-5}, "rows": batch},
@@ -179,6 +181,11 @@ def test_eos_stops_and_max_new_tokens_caps(tp1, setup):
         assert out["ended_with_eos"] == [eos in row for row in greedy], case
         assert [len(x) for x in out["logprobs"]] == [len(t) for t in out["tokens"]]
         _close(out["logprobs"], [lp[: len(t)] for lp, t in zip(tp1["greedy"]["logprobs"], out["tokens"])], 1e-5)
+    # Two stop ids (EOS and a chat template's end-of-turn): a row ends at the first of either.
+    stops = set(tp1["greedy_two_stops"]["eos_id"])
+    cut = [row[: next((j + 1 for j, t in enumerate(row) if t in stops), len(row))] for row in greedy]
+    assert tp1["greedy_two_stops"]["tokens"] == cut
+    assert tp1["greedy_two_stops"]["ended_with_eos"] == [bool(stops & set(row)) for row in greedy]
     assert tp1["greedy_eos_generated"]["ended_with_eos"][1]  # that row's 4th token was made the EOS
     assert len(tp1["greedy_eos_generated"]["tokens"][1]) <= 4
     assert tp1["greedy_cap"]["tokens"] == [row[:5] for row in greedy]

@@ -7,10 +7,16 @@ One JSON object per line (blank lines are skipped; line numbers are the file's p
   Assistant turns. NeMo-Aligner's optional chat keys are accepted and ignored: top-level ``"mask"`` (must be
   ``"User"``), ``"type"``, and per-turn ``"label"``.
 * Preference: ``{"prompt": str, "chosen_response": str, "rejected_response": str,
-  "chosen_reward"?: float, "rejected_reward"?: float}``.
-* Prompts: ``{"prompt": str, "answer"?: str}`` – ``answer`` enables a verifiable reward.
+  "chosen_reward"?: float, "rejected_reward"?: float}``; or NeMo-Aligner's reward-model format: ``{"text": str}``
+  lines, each pair of consecutive lines one (chosen, rejected) pair of complete, already-templated texts. Their
+  common prefix (cut back to a whitespace boundary) becomes the prompt, the rest the responses; the texts are
+  tokenized verbatim, never passed through a chat template.
+* Prompts: ``{"prompt": str, "answer"?: any, ...}`` – any extra field is kept and reaches the reward functions
+  (``answer`` is what the built-in checkers compare with); or NeMo-Aligner's PPO format ``{"text": str, ...}``: an
+  already-templated prompt, used verbatim (its ``prompt`` is the text).
 
-Any other key is rejected. Every problem raises :class:`DataValidationError` naming the file, the line and the
+A file is in one layout or the other (its first record decides). Any other key of SFT and preference records is
+rejected, as is a prompt field named ``prompt_ids`` (the tokenized prompt's own field). Every problem raises :class:`DataValidationError` naming the file, the line and the
 field, e.g. ``data/01_raw/sft.jsonl line 17: field "output": expected a string, got int``. Sequence-length checks
 need the tokenizer and live in :mod:`align_pipeline.data.tokenize` (same error class, same message shape).
 """
@@ -48,6 +54,8 @@ class RawData:
     """One dict per non-blank line, in file order."""
     lines: list[int] = field(default_factory=list)
     """1-based line number of each record."""
+    templated: bool = False
+    """NeMo-Aligner ``{"text"}`` layout: the texts already carry their chat markup; never apply a template."""
 
     def __len__(self) -> int:
         return len(self.records)
@@ -119,7 +127,8 @@ SFT_PLAIN_FIELDS = {"input", "output"}
 SFT_CHAT_FIELDS = {"system", "conversations", "mask", "type"}
 TURN_FIELDS = {"from", "value", "label"}
 PREFERENCE_FIELDS = {"prompt", "chosen_response", "rejected_response", "chosen_reward", "rejected_reward"}
-PROMPT_FIELDS = {"prompt", "answer"}
+RESERVED_PROMPT_FIELDS = {"prompt_ids"}
+TEXT_FIELD = "text"
 REGRESSION_FIELDS = {"prompt", "response", "labels"}
 ROLES = ("User", "Assistant")
 
@@ -144,6 +153,8 @@ def _check_sft(obj: dict) -> None:
             if turn["from"] not in ROLES:
                 raise _FieldError(f"{where}.from", f'expected "User" or "Assistant", got {turn["from"]!r}')
             _expect_str(turn, "value", f"{where}.value")
+            if turn.get("label") is not None:
+                _expect_str(turn, "label", f"{where}.label")
         if not any(t["from"] == "Assistant" for t in convs):
             raise _FieldError("conversations", "no Assistant turn (nothing to train on)")
         return
@@ -163,10 +174,16 @@ def _check_preference(obj: dict) -> None:
 
 
 def _check_prompts(obj: dict) -> None:
-    _reject_extra(obj, PROMPT_FIELDS)
-    _expect_str(obj, "prompt")
-    if "answer" in obj and obj["answer"] is not None:
-        _expect_str(obj, "answer")
+    reserved = RESERVED_PROMPT_FIELDS & obj.keys()
+    if reserved:
+        raise _FieldError(reserved.pop(), "reserved for the tokenized prompt; rename the field")
+    _expect_str(obj, "prompt" if "prompt" in obj or TEXT_FIELD not in obj else TEXT_FIELD)
+
+
+def _check_text(obj: dict) -> None:
+    """NeMo-Aligner's ``{"text"}`` reward-model line."""
+    _reject_extra(obj, {TEXT_FIELD})
+    _expect_str(obj, TEXT_FIELD)
 
 
 def _check_regression(obj: dict) -> None:
@@ -201,11 +218,19 @@ def validate_record(obj: Any, kind: str) -> None:
     _CHECKS[kind](obj)
 
 
+def _is_text_layout(obj: Any, kind: str) -> bool:
+    """A NeMo-Aligner ``{"text"}`` record (preference: only ``text``; prompts: ``text`` and no ``prompt``)."""
+    if not isinstance(obj, dict) or TEXT_FIELD not in obj:
+        return False
+    return "prompt" not in obj if kind == "prompts" else kind == "preference" and set(obj) == {TEXT_FIELD}
+
+
 def parse_jsonl_bytes(blob: bytes, kind: str, source: str) -> RawData:
     """Validate the bytes of a raw jsonl file of ``kind``; ``source`` is the name used in error messages."""
     if kind not in _CHECKS:
         raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
     data = RawData(kind=kind, source=source, sha256=bytes_sha256(blob))
+    layout: bool | None = None  # True = NeMo {"text"} layout, decided by the first record
     for lineno, raw in enumerate(blob.split(b"\n"), start=1):
         try:
             text = raw.decode("utf-8")
@@ -217,15 +242,56 @@ def parse_jsonl_bytes(blob: bytes, kind: str, source: str) -> RawData:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
             raise make_error(source, lineno, None, f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+        text_layout = _is_text_layout(obj, kind)
+        if layout is None:
+            layout = text_layout
+        elif text_layout != layout:
+            first = 'NeMo-Aligner {"text"}' if layout else "field"
+            raise make_error(source, lineno, None, f"mixes layouts: the file's first record is in the {first} layout")
         try:
-            validate_record(obj, kind)
+            _check_text(obj) if text_layout and kind == "preference" else validate_record(obj, kind)
         except _FieldError as exc:
             raise make_error(source, lineno, exc.fieldname, exc.problem) from None
+        if text_layout and kind == "prompts":
+            obj = {**obj, "prompt": obj[TEXT_FIELD]}
         data.records.append(obj)
         data.lines.append(lineno)
     if not data.records:
         raise make_error(source, None, None, f"file is empty: expected one {kind} JSON object per line")
+    data.templated = bool(layout)
+    if layout and kind == "preference":
+        _pair_text_lines(data)
     return data
+
+
+def _pair_text_lines(data: RawData) -> None:
+    """NeMo-Aligner RM layout: consecutive ``{"text"}`` lines -> one preference record per (chosen, rejected) pair,
+    the common prefix (cut back to whitespace) as the prompt."""
+    if len(data.records) % 2:
+        raise make_error(data.source, data.lines[-1], TEXT_FIELD,
+                         "chosen text without its rejected line: NeMo-Aligner's reward-model layout pairs "
+                         "consecutive lines (chosen, then rejected)")
+    records, lines = [], []
+    for i in range(0, len(data.records), 2):
+        chosen, rejected = data.records[i][TEXT_FIELD], data.records[i + 1][TEXT_FIELD]
+        cut = common_prompt_length(chosen, rejected)
+        records.append({"prompt": chosen[:cut], "chosen_response": chosen[cut:], "rejected_response": rejected[cut:]})
+        lines.append(data.lines[i])
+    data.records, data.lines = records, lines
+
+
+def common_prompt_length(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, cut back to just after a whitespace character (so
+    no word is split between prompt and response); 0 when there is none."""
+    n = 0
+    limit = min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    if n == len(a) == len(b):
+        return 0  # identical texts: nothing tells a prompt from a response (flagged as chosen == rejected)
+    while n > 0 and not a[n - 1].isspace():
+        n -= 1
+    return n
 
 
 def read_raw_jsonl(path: str | os.PathLike, kind: str, source: str | None = None) -> RawData:
@@ -248,14 +314,17 @@ def sft_segments(record: dict[str, Any]) -> list[tuple[str, bool]]:
     """The text of an SFT record as ``(text, is_response)`` segments, in order.
 
     Plain ``{"input", "output"}`` is one User turn and one Assistant turn. Chat: the optional system text followed
-    by a newline, then the turns' values verbatim (no role markup is added: put any template in the text). Each
-    Assistant segment is followed by ``<eos>`` when tokenized.
+    by a newline, then the turns' values verbatim (no role markup is added: put any template in the text), a turn's
+    SteerLM ``label`` (+ newline) before its value. Each Assistant segment is followed by ``<eos>`` when tokenized.
     """
     if "conversations" in record:
         segs: list[tuple[str, bool]] = []
         if record.get("system"):
             segs.append((record["system"] + "\n", False))
-        segs += [(t["value"], t["from"] == "Assistant") for t in record["conversations"]]
+        for turn in record["conversations"]:
+            if turn.get("label") is not None:  # SteerLM's attribute string conditions the turn: context, no loss
+                segs.append((turn["label"] + "\n", False))
+            segs.append((turn["value"], turn["from"] == "Assistant"))
         return segs
     return [(record["input"], False), (record["output"], True)]
 
@@ -273,8 +342,13 @@ def sft_prompt_text(record: dict[str, Any]) -> str:
 def record_texts(record: dict[str, Any]) -> list[str]:
     """Every string a tokenizer should be trained on in a record."""
     if "conversations" in record:
-        return [record.get("system", "")] + [t["value"] for t in record["conversations"]]
-    return [v for k, v in record.items() if isinstance(v, str) and k not in ("mask", "type")]
+        return [record.get("system", "")] + [t[k] for t in record["conversations"] for k in ("label", "value")
+                                             if isinstance(t.get(k), str)]
+    return [record[k] for k in TEXT_FIELDS if isinstance(record.get(k), str)]
+
+
+TEXT_FIELDS = ("input", "output", "prompt", "chosen_response", "rejected_response", "response", "answer")
+"""The fields whose text is modelled (a prompt's extra fields, e.g. ``category``, are not)."""
 
 
 __all__ = [

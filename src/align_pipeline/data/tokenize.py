@@ -1,12 +1,18 @@
 """Tokenize, mask, pad and split validated raw data into the arrays the trainers read.
 
-Sequence conventions (S = ``model.seq_length``; a sample = ``<bos>`` + prompt + response + ``<eos>``, right-padded
-with ``pad_id``; a sample longer than S tokens is rejected, never truncated):
+Sequence conventions (S = ``model.seq_length``; right-padded with ``pad_id``):
+
+* Plain layout (a trained tokenizer, or no chat template): a sample = ``start`` + prompt + response + ``<eos>``,
+  ``start`` = ``<bos>`` when the tokenizer starts sequences with it. Chat: the turns' texts in order, ``<eos>`` after
+  each Assistant turn.
+* Chat-template layout (an HF tokenizer with a chat template, :mod:`.chat`): the rendered conversation; the response
+  tokens are the assistant turns, each with its end-of-turn marker. Prompts are rendered with the generation prompt.
+* A sample longer than S is refused, truncated or dropped per ``data_prep.overlong`` (:class:`Overlong`).
 
 * ``input_ids``  int64   [N, S]  the sample's tokens, then ``pad_id``.
 * ``labels``     int64   [N, S]  ``labels[:, t] = input_ids[:, t + 1]`` (already shifted); ``pad_id`` past the end.
-* ``loss_mask``  float32 [N, S]  1 exactly where ``labels[:, t]`` is a response token or the ``<eos>`` ending a
-  response; 0 on prompt tokens and padding. Chat: 1 on Assistant turns (each followed by ``<eos>``).
+* ``loss_mask``  float32 [N, S]  1 exactly where ``labels[:, t]`` is a response token (or the ``<eos>`` / end-of-turn
+  ending a response); 0 on prompt tokens and padding.
 
 Artifacts (see :mod:`.formats` for the sidecar):
 
@@ -14,9 +20,9 @@ Artifacts (see :mod:`.formats` for the sidecar):
 * Preference ``.npz``: ``chosen_input_ids``, ``chosen_labels``, ``chosen_loss_mask``, ``rejected_input_ids``,
   ``rejected_labels``, ``rejected_loss_mask`` (as above), ``chosen_reward``, ``rejected_reward`` float32 [N]
   (NaN where the raw line has none).
-* Prompts ``.jsonl``: ``{"answer": str | null, "prompt": str, "prompt_ids": [int]}``; ``prompt_ids`` = ``<bos>`` +
-  prompt tokens, unpadded. A prompt must leave room for at least one generated token, and, when it has an answer,
-  ``<bos>`` + prompt + answer + ``<eos>`` must fit in S.
+* Prompts ``.jsonl``: every field of the raw record, ``"answer"`` (null when absent) and ``"prompt_ids": [int]``:
+  the prompt's tokens (``start`` + prompt, or its chat rendering with the generation prompt), unpadded. A prompt must
+  leave room for at least one generated token, and, when its answer is a string, prompt + answer + EOS must fit.
 
 Train/val split: the distinct prompt texts are hashed with the seed and the ``round(K * val_fraction)`` lowest of the
 K hashes go to val (at least one each side when K >= 2 and val_fraction > 0), with every sample of those prompts; both
@@ -34,11 +40,31 @@ import numpy as np
 
 from align_pipeline.config.base import ConfigError
 
+from .chat import ChatTemplate, ChatTemplateError, prompt_messages, sft_messages
 from .formats import ArrayBundle, RecordBundle
 from .schemas import RawData, sft_prompt_text, sft_segments
 from .tokenizer import TextTokenizer, TokenizerConfig
 
 SPLITS = ("train", "val")
+
+
+OverlongPolicy = Literal["error", "truncate", "drop"]
+
+
+@dataclass
+class OverlongConfig:
+    """``data_prep.overlong``: per data kind, what happens to a sample longer than ``model.seq_length``.
+
+    ``error`` stops data_prep with the file, line and length; ``truncate`` cuts the sample at seq_length (a sample
+    with no response token left is dropped instead); ``drop`` leaves it out. Truncated and dropped samples are
+    counted in data_prep's metrics (``<kind>_truncated``, ``<kind>_dropped``) and a warning."""
+
+    sft: OverlongPolicy = "error"
+    preference: OverlongPolicy = "error"
+    """A pair is truncated or dropped as a whole (both sides cut at seq_length)."""
+    prompts: Literal["error", "drop"] = "error"
+    """A prompt is never cut (its question would be lost); too long = no room for a response, or for its answer."""
+    regression: OverlongPolicy = "error"
 
 
 @dataclass
@@ -61,6 +87,9 @@ class DataPrepConfig:
     ``ignore`` keeps them silently. Their counts are in data_prep's metrics (``<kind>_dubious_<reason>``) either
     way."""
 
+    overlong: OverlongConfig = field(default_factory=lambda: OverlongConfig())
+    """What to do with a sample longer than ``model.seq_length``, per data kind."""
+
     def validate(self) -> None:
         for name in ("val_fraction", "prompts_val_fraction"):
             value = getattr(self, name)
@@ -78,26 +107,87 @@ class DataPrepConfig:
 # One sample
 # ---------------------------------------------------------------------------------------------------------------
 
-
-def encode_segments(tok: TextTokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
-    """``<bos>`` + each segment's tokens (+ ``<eos>`` after each response segment); per token: is it response."""
-    ids, is_response = [tok.bos_id], [False]
-    for text, response in segments:
-        t = tok.encode(text)
-        ids += t
-        is_response += [response] * len(t)
-        if response:
-            ids.append(tok.eos_id)
-            is_response.append(True)
-    return ids, is_response
+Sample = tuple[list[int], list[bool]]
+"""A sample's token ids and, per token, whether it is a response token (the loss is on those)."""
 
 
-def encode_prompt_response(tok: TextTokenizer, prompt: str, response: str) -> tuple[list[int], list[bool]]:
-    """``<bos>`` + prompt + response + ``<eos>``, and which tokens are response (response and ``<eos>``)."""
-    return encode_segments(tok, [(prompt, False), (response, True)])
+@dataclass
+class Renderer:
+    """Turns records into token ids: through the tokenizer's chat template, or the plain layout.
+
+    Plain: ``start`` + each segment's tokens, ``<eos>`` after each response (``start`` = ``[bos_id]`` when the
+    tokenizer starts sequences with BOS). Template: the whole rendered conversation tokenized once; response = the
+    tokens starting inside an assistant turn, its end-of-turn marker included (:mod:`.chat`); a prompt is rendered
+    with the generation prompt appended, exactly as a response to it is generated.
+    """
+
+    tok: TextTokenizer
+    template: ChatTemplate | None = None
+    """None = plain layout (no chat template, or ``tokenizer.use_chat_template: false``, or pre-templated text)."""
+
+    def segments(self, segments: list[tuple[str, bool]]) -> Sample:
+        ids, is_response = list(self.tok.start_ids()), [False] * len(self.tok.start_ids())
+        for text, response in segments:
+            t = self.tok.encode(text)
+            ids += t
+            is_response += [response] * len(t)
+            if response:
+                ids.append(self.tok.eos_id)
+                is_response.append(True)
+        return ids, is_response
+
+    def messages(self, messages: list[dict[str, Any]]) -> Sample:
+        assert self.template is not None
+        text, spans = self.template.render_with_spans(messages)
+        start = self.tok.start_ids(text)
+        ids, offsets = self.tok.encode_with_offsets(text)
+        is_response, k = [], 0
+        for o in offsets:  # spans are sorted and disjoint; offsets ascend
+            while k < len(spans) and o >= spans[k][1]:
+                k += 1
+            is_response.append(k < len(spans) and o >= spans[k][0])
+        return start + ids, [False] * len(start) + is_response
+
+    def sft(self, record: dict[str, Any]) -> Sample:
+        if self.template is None:
+            return self.segments(sft_segments(record))
+        return self.messages(sft_messages(record))
+
+    def prompt_response(self, prompt: str, response: str) -> Sample:
+        if self.template is None:
+            return self.segments([(prompt, False), (response, True)])
+        return self.messages(prompt_messages(prompt) + [{"role": "assistant", "content": response}])
+
+    def prompt(self, prompt: str) -> list[int]:
+        """The ids a response to ``prompt`` is generated after (the same prefix :meth:`prompt_response` trains)."""
+        if self.template is None:
+            return self.tok.start_ids() + self.tok.encode(prompt)
+        text = self.template.render(prompt_messages(prompt), add_generation_prompt=True)
+        return self.tok.start_ids(text) + self.tok.encode(text)
+
+    def for_file(self, raw: RawData) -> Renderer:
+        """This renderer, or the plain layout for a file whose texts already carry their markup (NeMo ``text``)."""
+        return Renderer(self.tok, None) if raw.templated else self
 
 
-def pack(samples: list[tuple[list[int], list[bool]]], seq_length: int, pad_id: int) -> dict[str, np.ndarray]:
+def renderer_for(tok: TextTokenizer, use_chat_template: bool = True) -> Renderer:
+    """The tokenizer's chat template when it has one (and it is wanted), else the plain layout."""
+    return Renderer(tok, tok.chat_template if use_chat_template else None)
+
+
+def encode_segments(tok: TextTokenizer, segments: list[tuple[str, bool]]) -> Sample:
+    """Plain layout: ``start`` + each segment's tokens (+ ``<eos>`` after each response); per token: is it
+    response."""
+    return Renderer(tok).segments(segments)
+
+
+def encode_prompt_response(tok: TextTokenizer, prompt: str, response: str) -> Sample:
+    """Plain layout: ``start`` + prompt + response + ``<eos>``, and which tokens are response (response and
+    ``<eos>``)."""
+    return Renderer(tok).prompt_response(prompt, response)
+
+
+def pack(samples: list[Sample], seq_length: int, pad_id: int) -> dict[str, np.ndarray]:
     """Right-pad samples to ``seq_length`` and build shifted labels and the response loss mask."""
     n = len(samples)
     input_ids = np.full((n, seq_length), pad_id, dtype=np.int64)  # [N, S]
@@ -111,6 +201,61 @@ def pack(samples: list[tuple[list[int], list[bool]]], seq_length: int, pad_id: i
         labels[i, : L - 1] = ids[1:]
         loss_mask[i, : L - 1] = is_response[1:]
     return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Samples longer than seq_length
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Overlong:
+    """Applies ``data_prep.overlong`` to one file's samples and counts what it did.
+
+    Length checks cost O(characters): a text of more than ``seq_length x (longest token in characters)`` characters
+    cannot fit, so it is refused or dropped without being tokenized, and a truncated one is tokenized from a prefix
+    of ``(seq_length + 1) x that`` characters only.
+    """
+
+    def __init__(self, raw: RawData, tok: TextTokenizer, seq_length: int, policy: str):
+        self.raw, self.seq_length, self.policy = raw, seq_length, policy
+        self.char_budget = seq_length * tok.max_token_chars
+        self.truncated: list[int] = []
+        self.dropped: list[int] = []
+
+    def too_many_chars(self, texts: list[str]) -> bool:
+        return sum(len(t) for t in texts) > self.char_budget
+
+    def clip(self, texts: list[str]) -> list[str]:
+        """The texts cut to ``(seq_length + 1) x longest-token`` characters in all (enough for any cut at
+        seq_length)."""
+        left, out = self.char_budget + self.char_budget // self.seq_length, []
+        for t in texts:
+            out.append(t[: max(left, 0)])
+            left -= len(t)
+        return out
+
+    def fit(self, i: int, sample: Sample | None, field: str, what: str, n: int | None = None) -> Sample | None:
+        """Sample ``i`` as it enters the data (truncated when the policy says so), or None when it is dropped.
+
+        ``sample`` None = known to be too long from its characters alone (``n`` then unknown)."""
+        if sample is not None and len(sample[0]) <= self.seq_length:
+            return sample
+        if self.policy == "error":
+            tokens = f"{len(sample[0])} tokens" if sample is not None else f"more than {self.char_budget} characters"
+            raise self.raw.error(
+                i, field, f"{what} is {tokens}, longer than model.seq_length = {self.seq_length} "
+                f"(data_prep.overlong.{self.raw.kind}: truncate or drop to keep going)"
+            )
+        if self.policy == "truncate" and sample is not None:
+            ids, is_response = sample[0][: self.seq_length], sample[1][: self.seq_length]
+            if any(is_response[1:]):  # some response token is still a label
+                self.truncated.append(i)
+                return ids, is_response
+        self.dropped.append(i)
+        return None
+
+    def metrics(self) -> dict[str, int]:
+        return {f"{self.raw.kind}_truncated": len(self.truncated), f"{self.raw.kind}_dropped": len(self.dropped)}
 
 
 def _too_long(n: int, seq_length: int, what: str) -> str:
@@ -149,86 +294,154 @@ class Encoded:
     max_tokens: int = 0
     attributes: list[str] | None = None
     """Regression data: the label names, in the column order of ``reward_labels``."""
+    overlong: dict[str, int] = field(default_factory=dict)
+    """``<kind>_truncated`` / ``<kind>_dropped``: samples longer than seq_length that were cut / left out."""
 
 
-def encode_sft(raw: RawData, tok: TextTokenizer, seq_length: int) -> Encoded:
-    samples = []
+def _sft_texts(record: dict[str, Any]) -> list[str]:
+    if "conversations" not in record:
+        return [record["input"], record["output"]]
+    return [record.get("system") or ""] + [t.get("label") or "" for t in record["conversations"]] + [
+        t["value"] for t in record["conversations"]]
+
+
+def _clip_sft(record: dict[str, Any], over: Overlong) -> dict[str, Any]:
+    """The record with its texts cut (in reading order) to the characters a truncation at seq_length can use."""
+    if "conversations" not in record:
+        inp, out = over.clip([record["input"], record["output"]])
+        return {**record, "input": inp, "output": out}
+    system, *values = over.clip([record.get("system") or ""] + [t["value"] for t in record["conversations"]])
+    turns = [{**t, "value": v} for t, v in zip(record["conversations"], values)]
+    return {**record, "system": system, "conversations": turns}
+
+
+def encode_sft(raw: RawData, render: Renderer, seq_length: int, over: Overlong) -> Encoded:
+    samples, kept = [], []
     for i, rec in enumerate(raw.records):
-        ids, resp = encode_segments(tok, sft_segments(rec))
-        if len(ids) > seq_length:
-            chat = "conversations" in rec
-            what = "the conversation with <bos>/<eos>" if chat else "<bos> + input + output + <eos>"
-            raise raw.error(i, "conversations" if chat else "output", _too_long(len(ids), seq_length, what))
-        samples.append((ids, resp))
-    return Encoded(
-        keys=[sft_prompt_text(r) for r in raw.records],
-        arrays=pack(samples, seq_length, tok.pad_id),
-        max_tokens=max(len(s[0]) for s in samples),
-    )
+        chat = "conversations" in rec
+        field_name, what = ("conversations", "the conversation") if chat else ("output", "input + output")
+        if over.too_many_chars(_sft_texts(rec)):
+            if over.policy != "truncate":
+                over.fit(i, None, field_name, what)
+                continue
+            rec = _clip_sft(rec, over)
+        sample = over.fit(i, _render(raw, i, field_name, lambda r=rec: render.sft(r)), field_name,
+                          f"{what} with its special tokens")
+        if sample is not None:
+            samples.append(sample)
+            kept.append(i)
+    return _arrays_encoded(raw, kept, [sft_prompt_text(raw.records[i]) for i in kept], samples, seq_length,
+                           render.tok, over)
 
 
-def encode_preference(raw: RawData, tok: TextTokenizer, seq_length: int) -> Encoded:
+def _render(raw: RawData, i: int, field_name: str, fn):
+    try:
+        return fn()
+    except ChatTemplateError as exc:
+        raise raw.error(i, field_name, str(exc)) from None
+
+
+def _prompt_response_sample(raw: RawData, i: int, render: Renderer, over: Overlong, prompt: str, response: str,
+                            field_name: str) -> Sample | None:
+    what = f"prompt + {field_name} with special tokens"
+    if over.too_many_chars([prompt, response]):
+        if over.policy != "truncate":
+            return over.fit(i, None, field_name, what)
+        prompt, response = over.clip([prompt, response])
+    return over.fit(i, _render(raw, i, field_name, lambda: render.prompt_response(prompt, response)), field_name, what)
+
+
+def encode_preference(raw: RawData, render: Renderer, seq_length: int, over: Overlong) -> Encoded:
     sides: dict[str, list] = {"chosen": [], "rejected": []}
+    kept = []
     for i, rec in enumerate(raw.records):
-        for side, samples in sides.items():
-            ids, resp = encode_prompt_response(tok, rec["prompt"], rec[f"{side}_response"])
-            if len(ids) > seq_length:
-                what = f"<bos> + prompt + {side}_response + <eos>"
-                raise raw.error(i, f"{side}_response", _too_long(len(ids), seq_length, what))
-            samples.append((ids, resp))
+        pair = {}
+        for side in sides:
+            pair[side] = _prompt_response_sample(raw, i, render, over, rec["prompt"], rec[f"{side}_response"],
+                                                 f"{side}_response")
+            if pair[side] is None:
+                break
+        if any(v is None for v in pair.values()) or len(pair) < 2:
+            continue
+        for side, sample in pair.items():
+            sides[side].append(sample)
+        kept.append(i)
+    # A pair counts once: truncated when either side was, dropped when either side was.
+    over.dropped = sorted(set(over.dropped))
+    over.truncated = sorted(set(over.truncated) - set(over.dropped))
     arrays: dict[str, np.ndarray] = {}
     for side, samples in sides.items():
-        for k, v in pack(samples, seq_length, tok.pad_id).items():
+        for k, v in pack(samples, seq_length, render.tok.pad_id).items():
             arrays[f"{side}_{k}"] = v
         arrays[f"{side}_reward"] = np.array(
-            [float(r.get(f"{side}_reward", np.nan)) for r in raw.records], dtype=np.float32
+            [float(raw.records[i].get(f"{side}_reward", np.nan)) for i in kept], dtype=np.float32
         )  # [N]
+    _require_some(raw, kept, over)
     return Encoded(
-        keys=[r["prompt"] for r in raw.records],
+        keys=[raw.records[i]["prompt"] for i in kept],
         arrays=arrays,
         max_tokens=max(len(s[0]) for samples in sides.values() for s in samples),
+        overlong=over.metrics(),
     )
 
 
-def encode_prompts(raw: RawData, tok: TextTokenizer, seq_length: int) -> Encoded:
-    records, longest = [], 0
+def encode_prompts(raw: RawData, render: Renderer, seq_length: int, over: Overlong) -> Encoded:
+    """Prompt records: every raw field, ``answer`` (None when absent) and ``prompt_ids`` (rendered with the chat
+    template's generation prompt when there is one). A prompt must leave room for one generated token and, with a
+    string ``answer``, for the answer and EOS (a prompt is never truncated: ``overlong.prompts`` is error or drop)."""
+    records, kept, longest = [], [], 0
     for i, rec in enumerate(raw.records):
-        prompt_ids = [tok.bos_id] + tok.encode(rec["prompt"])
-        if len(prompt_ids) + 1 > seq_length:
-            what = "<bos> + prompt + 1 generated token"
-            raise raw.error(i, "prompt", _too_long(len(prompt_ids) + 1, seq_length, what))
+        if over.too_many_chars([rec["prompt"]]):
+            over.fit(i, None, "prompt", "the prompt")
+            continue
+        prompt_ids = _render(raw, i, "prompt", lambda r=rec: render.prompt(r["prompt"]))
         answer = rec.get("answer")
-        n = len(prompt_ids) + 1
-        if answer is not None:
-            n = len(prompt_ids) + len(tok.encode(answer)) + 1
-            if n > seq_length:
-                raise raw.error(i, "answer", _too_long(n, seq_length, "<bos> + prompt + answer + <eos>"))
+        n, field_name, what = len(prompt_ids) + 1, "prompt", "the prompt + 1 generated token"
+        if isinstance(answer, str):
+            n, field_name, what = len(prompt_ids) + len(render.tok.encode(answer)) + 1, "answer", "prompt + answer + EOS"
+        if over.fit(i, ([0] * n, [True] * n), field_name, what) is None:
+            continue
         longest = max(longest, n)
-        records.append({"prompt": rec["prompt"], "answer": answer, "prompt_ids": prompt_ids})
-    return Encoded(keys=[r["prompt"] for r in raw.records], records=records, max_tokens=longest)
+        records.append({**rec, "answer": answer, "prompt_ids": prompt_ids})
+        kept.append(i)
+    _require_some(raw, kept, over)
+    return Encoded(keys=[raw.records[i]["prompt"] for i in kept], records=records, max_tokens=longest,
+                   overlong=over.metrics())
 
 
-def encode_regression(raw: RawData, tok: TextTokenizer, seq_length: int) -> Encoded:
+def encode_regression(raw: RawData, render: Renderer, seq_length: int, over: Overlong) -> Encoded:
     """SteerLM-style records -> SFT-like arrays (loss_mask marks the response) + ``reward_labels`` [N, A] float32
     (NaN = missing label), attributes in sorted order (``Encoded.attributes``, copied into the sidecar meta)."""
-    samples = []
+    samples, kept = [], []
     for i, rec in enumerate(raw.records):
-        ids, resp = encode_prompt_response(tok, rec["prompt"], rec["response"])
-        if len(ids) > seq_length:
-            raise raw.error(i, "response", _too_long(len(ids), seq_length, "<bos> + prompt + response + <eos>"))
-        samples.append((ids, resp))
+        sample = _prompt_response_sample(raw, i, render, over, rec["prompt"], rec["response"], "response")
+        if sample is not None:
+            samples.append(sample)
+            kept.append(i)
     names = sorted({k for r in raw.records for k in r["labels"]})
     labels = np.array(
-        [[np.nan if r["labels"].get(k) is None else float(r["labels"][k]) for k in names] for r in raw.records],
+        [[np.nan if raw.records[i]["labels"].get(k) is None else float(raw.records[i]["labels"][k]) for k in names]
+         for i in kept],
         dtype=np.float32,
-    )  # [N, A]
-    arrays = {**pack(samples, seq_length, tok.pad_id), "reward_labels": labels}
-    return Encoded(
-        keys=[r["prompt"] for r in raw.records],
-        arrays=arrays,
-        max_tokens=max(len(s[0]) for s in samples),
-        attributes=names,
-    )
+    ).reshape(len(kept), len(names))  # [N, A]
+    enc = _arrays_encoded(raw, kept, [raw.records[i]["prompt"] for i in kept], samples, seq_length, render.tok, over)
+    assert enc.arrays is not None
+    enc.arrays["reward_labels"] = labels
+    enc.attributes = names
+    return enc
+
+
+def _require_some(raw: RawData, kept: list[int], over: Overlong) -> None:
+    if not kept:
+        raise raw.error(0, None, f"every sample is longer than model.seq_length = {over.seq_length} "
+                                 f"(data_prep.overlong.{raw.kind} = {over.policy}): nothing is left")
+
+
+def _arrays_encoded(raw: RawData, kept: list[int], keys: list[str], samples: list[Sample], seq_length: int,
+                    tok: TextTokenizer, over: Overlong) -> Encoded:
+    _require_some(raw, kept, over)
+    return Encoded(keys=keys, arrays=pack(samples, seq_length, tok.pad_id), max_tokens=max(len(s[0]) for s in samples),
+                   overlong=over.metrics())
 
 
 ENCODERS = {
@@ -239,9 +452,13 @@ ENCODERS = {
 }
 
 
-def encode(raw: RawData, tok: TextTokenizer, seq_length: int) -> Encoded:
-    """Tokenize a validated file; a sample that does not fit ``seq_length`` raises ``DataValidationError``."""
-    return ENCODERS[raw.kind](raw, tok, seq_length)
+def encode(raw: RawData, tok: TextTokenizer, seq_length: int, config: DataPrepConfig | None = None) -> Encoded:
+    """Tokenize a validated file (chat template per ``config.tokenizer.use_chat_template``); a sample that does not
+    fit ``seq_length`` is refused (``DataValidationError``), truncated or dropped per ``config.overlong``."""
+    config = config or DataPrepConfig()
+    render = renderer_for(tok, config.tokenizer.use_chat_template).for_file(raw)
+    over = Overlong(raw, tok, seq_length, getattr(config.overlong, raw.kind))
+    return ENCODERS[raw.kind](raw, render, seq_length, over)
 
 
 def split_encoded(

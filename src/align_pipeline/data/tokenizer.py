@@ -3,21 +3,28 @@
 A tokenizer directory holds ``tokenizer.json`` (a ``tokenizers`` file) and ``align_tokenizer.json``::
 
     {"bos_id": 1, "eos_id": 2, "pad_id": 0, "vocab_size": 40, "source": "trained:char",
-     "fingerprint": "3f2a...", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+     "fingerprint": "3f2a...", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+     "add_bos": true, "stop_ids": [2], "chat_template": false}
 
-and, when it came from an HF model, copies of that model's ``tokenizer_config.json`` / ``special_tokens_map.json``.
-:func:`load_tokenizer` reads such a directory, or a plain HF model directory (special tokens from
-``tokenizer_config.json``, then ``config.json``, then ``generation_config.json``). Training entry points import this
-module, so it imports neither Kedro nor torch.
+and, when it came from an HF model, copies of that model's ``tokenizer_config.json`` / ``special_tokens_map.json`` /
+chat template files. :func:`load_tokenizer` reads such a directory, or a plain HF model directory (special tokens
+from ``tokenizer_config.json``, then ``config.json``, then ``generation_config.json``). Training entry points import
+this module, so it imports neither Kedro nor torch.
+
+Per tokenizer: ``bos_id`` is None when the tokenizer has no BOS token (Qwen), and ``add_bos`` says whether a
+sequence starts with it – for an HF tokenizer, exactly when its own post-processor adds it (Llama, Mistral: yes;
+Qwen: no); a trained tokenizer always starts with ``<bos>``. EOS is never used as BOS. ``stop_ids`` end a generation:
+EOS, the chat template's end-of-turn token (``<|im_end|>``, ``<|eot_id|>``) and ``generation_config.json``'s EOS ids.
 
     tok = load_tokenizer("data/03_primary/tokenizer")
-    ids = [tok.bos_id] + tok.encode("add: 23+45\\n")     # encode() adds no special tokens
-    tok.decode(ids)                                      # 'add: 23+45\\n' (specials skipped)
+    ids = tok.start_ids() + tok.encode("add: 23+45\\n")     # encode() adds no special tokens
+    tok.decode(ids)                                       # 'add: 23+45\\n' (specials skipped)
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -33,9 +40,12 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 from align_pipeline.config.base import ConfigError
 
+from .chat import ChatTemplate
+
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "align_tokenizer.json"
-HF_COPY_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+HF_COPY_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]  # ids 0..3 in a trained tokenizer
 
@@ -52,50 +62,99 @@ class TokenizerConfig:
     """Largest vocabulary of a trained tokenizer, special tokens included (rarest characters become <unk>)."""
     min_frequency: int = 1
     """A character (or BPE merge) must occur this often to get a token."""
+    chat_template: str | None = None
+    """A Jinja chat template file (HF format) that replaces the tokenizer's own; saved with the tokenizer."""
+    use_chat_template: bool = True
+    """Render SFT conversations and all prompts with the chat template when the tokenizer has one (loss on the
+    assistant turns); False = the plain layout of :mod:`align_pipeline.data.tokenize` (no role markup)."""
 
     def validate(self) -> None:
         if self.vocab_size < len(SPECIAL_TOKENS) + 1:
             raise ConfigError(f"tokenizer.vocab_size must be > {len(SPECIAL_TOKENS)}, got {self.vocab_size}")
         if self.min_frequency < 1:
             raise ConfigError(f"tokenizer.min_frequency must be >= 1, got {self.min_frequency}")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"tokenizer.chat_template: {self.chat_template} is not a file")
 
 
 class TextTokenizer:
-    """A ``tokenizers.Tokenizer`` plus the ids of ``<bos>``, ``<eos>`` and ``<pad>``."""
+    """A ``tokenizers.Tokenizer`` plus its special ids, BOS rule, stop ids and (optional) chat template."""
 
     def __init__(
         self,
         tokenizer: Tokenizer,
-        bos_id: int,
+        bos_id: int | None,
         eos_id: int,
         pad_id: int,
         source: str,
         extra_files: dict[str, bytes] | None = None,
+        add_bos: bool | None = None,
+        stop_ids: Iterable[int] = (),
     ):
         self.tokenizer = tokenizer
-        self.bos_id = int(bos_id)
+        self.bos_id = None if bos_id is None else int(bos_id)
         self.eos_id = int(eos_id)
         self.pad_id = int(pad_id)
         self.source = source
         self.extra_files = dict(extra_files or {})
+        self.add_bos = self.bos_id is not None if add_bos is None else bool(add_bos) and self.bos_id is not None
+        self.stop_ids = tuple(dict.fromkeys([self.eos_id, *(int(i) for i in stop_ids)]))  # EOS first, no repeats
         for name, i in (("bos_id", self.bos_id), ("eos_id", self.eos_id), ("pad_id", self.pad_id)):
-            if not 0 <= i < self.vocab_size:
+            if i is not None and not 0 <= i < self.vocab_size:
                 raise ValueError(f"{name} {i} is outside the vocabulary (size {self.vocab_size})")
+        self.chat_template = _chat_template(self.extra_files, self.special_token_strings())
 
     @property
     def vocab_size(self) -> int:
         """Number of token ids (added/special tokens included)."""
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token covers: the longest vocabulary entry (a byte-level entry has
+        one symbol per byte, so it is never shorter than the text it decodes to). A text longer than
+        ``n x max_token_chars`` characters has more than n tokens."""
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        return max(1, max((len(t) for t in vocab), default=1))
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without any special tokens."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of ``text`` (no special tokens added; special tokens written in the text are recognised) and
+        the character offset where each token starts."""
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        return enc.ids, [start for start, _ in enc.offsets]
+
+    def start_ids(self, text: str = "") -> list[int]:
+        """What goes before the tokens of ``text`` when it starts a sequence: ``[bos_id]`` when this tokenizer
+        starts sequences with BOS and ``text`` (e.g. a rendered chat template) does not already begin with it."""
+        if not self.add_bos:
+            return []
+        bos = self.id_to_token(self.bos_id)
+        return [] if bos and text.startswith(bos) else [self.bos_id]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def id_to_token(self, i: int) -> str | None:
-        return self.tokenizer.id_to_token(int(i))
+    def id_to_token(self, i: int | None) -> str | None:
+        return None if i is None else self.tokenizer.id_to_token(int(i))
+
+    def special_token_strings(self) -> dict[str, str]:
+        """``bos_token``, ``eos_token``, ``pad_token`` (and ``unk_token``) strings: the variables a chat template
+        may use. An HF tokenizer's come from its ``tokenizer_config.json`` when it has them."""
+        out = {
+            "bos_token": self.id_to_token(self.bos_id),
+            "eos_token": self.id_to_token(self.eos_id),
+            "pad_token": self.id_to_token(self.pad_id),
+        }
+        config = _json_bytes(self.extra_files.get("tokenizer_config.json"))
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            text = _token_text(config.get(name))
+            if text is not None:
+                out[name] = text
+        return {k: v for k, v in out.items() if v is not None}
 
     def meta(self) -> dict[str, Any]:
         """The content of ``align_tokenizer.json``."""
@@ -106,6 +165,9 @@ class TextTokenizer:
             "bos_token": self.id_to_token(self.bos_id),
             "eos_token": self.id_to_token(self.eos_id),
             "pad_token": self.id_to_token(self.pad_id),
+            "add_bos": self.add_bos,
+            "stop_ids": list(self.stop_ids),
+            "chat_template": self.chat_template is not None,
             "vocab_size": self.vocab_size,
             "source": self.source,
             "fingerprint": self.fingerprint,
@@ -113,9 +175,13 @@ class TextTokenizer:
 
     @property
     def fingerprint(self) -> str:
-        """Short sha256 of the tokenizer's JSON and its special-token ids."""
+        """Short sha256 of the tokenizer's JSON, its special-token ids, BOS rule, stop ids and chat template."""
         h = hashlib.sha256(self.tokenizer.to_str().encode())
         h.update(json.dumps([self.bos_id, self.eos_id, self.pad_id]).encode())
+        if self.bos_id is None or not self.add_bos or self.stop_ids != (self.eos_id,) or self.chat_template:
+            h.update(json.dumps([self.add_bos, self.stop_ids]).encode())  # (the trained tokenizers' hash is kept)
+        if self.chat_template is not None:
+            h.update(self.chat_template.source.encode())
         return h.hexdigest()[:16]
 
     def save(self, directory: str | os.PathLike) -> None:
@@ -136,8 +202,32 @@ class TextTokenizer:
     def __repr__(self) -> str:
         return (
             f"TextTokenizer(vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id}, "
-            f"pad={self.pad_id}, source={self.source!r}, fingerprint={self.fingerprint})"
+            f"pad={self.pad_id}, stop={list(self.stop_ids)}, chat_template={self.chat_template is not None}, "
+            f"source={self.source!r}, fingerprint={self.fingerprint})"
         )
+
+
+def _json_bytes(blob: bytes | None) -> dict[str, Any]:
+    if not blob:
+        return {}
+    try:
+        value = json.loads(blob)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _chat_template(files: dict[str, bytes], special_tokens: dict[str, str]) -> ChatTemplate | None:
+    """The chat template among an HF tokenizer's files: ``chat_template.jinja``, then ``chat_template.json``, then
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates: the ``default`` one)."""
+    source = files[CHAT_TEMPLATE_FILE].decode() if CHAT_TEMPLATE_FILE in files else None
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if source is None:
+            source = _json_bytes(files.get(name)).get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    return ChatTemplate(source, special_tokens) if isinstance(source, str) and source.strip() else None
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
@@ -228,16 +318,18 @@ def _first_id(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _hf_special_ids(directory: Path, tok: Tokenizer) -> tuple[int, int, int]:
+def _hf_special_ids(directory: Path, tok: Tokenizer) -> tuple[int | None, int, int]:
     """bos/eos/pad ids of an HF model directory.
 
     Order: token strings of ``tokenizer_config.json`` (or ``special_tokens_map.json``), then ids of ``config.json``,
-    then ``generation_config.json``. A model without a bos token uses eos as bos; without a pad token, eos as pad.
+    then ``generation_config.json``. A model without a bos token has none (None); without a pad token, eos pads.
     """
     tok_cfg = {**_read_json(directory / "special_tokens_map.json"), **_read_json(directory / "tokenizer_config.json")}
     id_sources = [_read_json(directory / "config.json"), _read_json(directory / "generation_config.json")]
 
     def lookup(name: str) -> int | None:
+        if name == "bos" and "bos_token" in tok_cfg and tok_cfg["bos_token"] is None:
+            return None  # said explicitly: no BOS (Qwen's config.json still names one)
         text = _token_text(tok_cfg.get(f"{name}_token"))
         if text is not None:
             i = tok.token_to_id(text)
@@ -257,7 +349,61 @@ def _hf_special_ids(directory: Path, tok: Tokenizer) -> tuple[int, int, int]:
         )
     bos = lookup("bos")
     pad = lookup("pad")
-    return (eos if bos is None else bos), eos, (eos if pad is None else pad)
+    return (None if bos == eos else bos), eos, (eos if pad is None else pad)
+
+
+def _hf_adds_bos(directory: Path, tok: Tokenizer, bos: int | None) -> bool:
+    """Whether the HF tokenizer starts a sequence with BOS: ``tokenizer_config.json``'s ``add_bos_token`` when set,
+    else whether its own post-processor adds it."""
+    if bos is None:
+        return False
+    flag = _read_json(directory / "tokenizer_config.json").get("add_bos_token")
+    if isinstance(flag, bool):
+        return flag
+    with_specials = tok.encode("a", add_special_tokens=True).ids
+    return len(with_specials) > len(tok.encode("a", add_special_tokens=False).ids) and with_specials[0] == bos
+
+
+def _hf_stop_ids(directory: Path) -> list[int]:
+    """``generation_config.json``'s (then ``config.json``'s) ``eos_token_id``, one id or a list."""
+    for name in ("generation_config.json", "config.json"):
+        value = _read_json(directory / name).get("eos_token_id")
+        ids = value if isinstance(value, list) else [value]
+        ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+        if ids:
+            return ids
+    return []
+
+
+def _end_of_turn_id(tok: TextTokenizer) -> int | None:
+    """The special token that ends an assistant turn in the chat template (``<|im_end|>``, ``<|eot_id|>``)."""
+    if tok.chat_template is None:
+        return None
+    try:
+        text = tok.chat_template.end_of_turn()
+    except ValueError:
+        return None
+    ids = tok.encode(text) if text else []
+    added = {t.content for t in tok.tokenizer.get_added_tokens_decoder().values()}
+    return ids[0] if ids and tok.id_to_token(ids[0]) in added else None
+
+
+def with_chat_template(tok: TextTokenizer, template_file: str | os.PathLike | None) -> TextTokenizer:
+    """``tok`` with the chat template of ``template_file`` (None: unchanged), its end-of-turn token a stop id."""
+    if template_file is None:
+        return tok
+    files = {**tok.extra_files, CHAT_TEMPLATE_FILE: Path(template_file).read_bytes()}
+    out = TextTokenizer(tok.tokenizer, tok.bos_id, tok.eos_id, tok.pad_id, tok.source, files, tok.add_bos,
+                        tok.stop_ids)
+    return _add_end_of_turn(out)
+
+
+def _add_end_of_turn(tok: TextTokenizer) -> TextTokenizer:
+    eot = _end_of_turn_id(tok)
+    if eot is None or eot in tok.stop_ids:
+        return tok
+    return TextTokenizer(tok.tokenizer, tok.bos_id, tok.eos_id, tok.pad_id, tok.source, tok.extra_files,
+                         tok.add_bos, (*tok.stop_ids, eot))
 
 
 def _load_backend(directory: Path) -> Tokenizer:
@@ -280,7 +426,9 @@ def load_hf_tokenizer(directory: str | os.PathLike) -> TextTokenizer:
     tok = _load_backend(directory)
     bos, eos, pad = _hf_special_ids(directory, tok)
     extra = {n: (directory / n).read_bytes() for n in HF_COPY_FILES if (directory / n).exists()}
-    return TextTokenizer(tok, bos, eos, pad, source=f"hf:{directory.resolve()}", extra_files=extra)
+    out = TextTokenizer(tok, bos, eos, pad, source=f"hf:{directory.resolve()}", extra_files=extra,
+                        add_bos=_hf_adds_bos(directory, tok, bos), stop_ids=_hf_stop_ids(directory))
+    return _add_end_of_turn(out)
 
 
 def load_tokenizer(directory: str | os.PathLike) -> TextTokenizer:
@@ -292,7 +440,8 @@ def load_tokenizer(directory: str | os.PathLike) -> TextTokenizer:
     meta = _read_json(meta_path)
     tok = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
     extra = {n: (directory / n).read_bytes() for n in HF_COPY_FILES if (directory / n).exists()}
-    out = TextTokenizer(tok, meta["bos_id"], meta["eos_id"], meta["pad_id"], source=meta["source"], extra_files=extra)
+    out = TextTokenizer(tok, meta["bos_id"], meta["eos_id"], meta["pad_id"], source=meta["source"], extra_files=extra,
+                        add_bos=meta.get("add_bos", True), stop_ids=meta.get("stop_ids", ()))
     if meta.get("fingerprint") not in (None, out.fingerprint):
         raise ValueError(
             f"{directory}: tokenizer fingerprint {out.fingerprint} does not match {META_FILE} ({meta['fingerprint']})"
@@ -301,10 +450,10 @@ def load_tokenizer(directory: str | os.PathLike) -> TextTokenizer:
 
 
 def build_tokenizer(config: TokenizerConfig, texts: Iterable[str]) -> TextTokenizer:
-    """The tokenizer ``data_prep`` uses: ``config.hf_model_dir``'s, or one trained on ``texts``."""
-    if config.hf_model_dir:
-        return load_hf_tokenizer(config.hf_model_dir)
-    return train_tokenizer(texts, config)
+    """The tokenizer ``data_prep`` uses: ``config.hf_model_dir``'s, or one trained on ``texts``; with
+    ``config.chat_template`` as its chat template when given."""
+    tok = load_hf_tokenizer(config.hf_model_dir) if config.hf_model_dir else train_tokenizer(texts, config)
+    return with_chat_template(tok, config.chat_template)
 
 
 def read_tokenizer_meta(directory: str | os.PathLike) -> dict[str, Any]:
@@ -326,4 +475,5 @@ __all__ = [
     "load_tokenizer",
     "read_tokenizer_meta",
     "train_tokenizer",
+    "with_chat_template",
 ]

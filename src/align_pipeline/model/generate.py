@@ -1,7 +1,7 @@
 """Batched autoregressive generation for a Megatron-core ``GPTModel`` (rollouts for RL, samples for evaluation).
 
-    gen = generate(model, [[tok.bos_id] + tok.encode("add: 23+45\\n"), ...], max_new_tokens=16,
-                   eos_id=tok.eos_id, pad_id=tok.pad_id, vocab_size=tok.vocab_size, greedy=True)
+    gen = generate(model, [tok.start_ids() + tok.encode("add: 23+45\\n"), ...], max_new_tokens=16,
+                   eos_id=tok.stop_ids, pad_id=tok.pad_id, vocab_size=tok.vocab_size, greedy=True)
     gen.tokens[0], gen.ended_with_eos[0], gen.logprobs[0]
 
 How it works:
@@ -30,6 +30,7 @@ How it works:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,7 @@ class Generation:
     tokens: list[list[int]]
     """New tokens only (the prompt is not repeated); cut after the first EOS, which is included."""
     ended_with_eos: list[bool]
-    """True when the row emitted ``eos_id``; False when it stopped at ``max_new_tokens``."""
+    """True when the row emitted a stop id (``eos_id``); False when it stopped at ``max_new_tokens``."""
     logprobs: list[list[float]]
     """``log p(token | prefix)`` of each token in ``tokens`` under the model's plain distribution: float32
     ``log_softmax`` of the logits over the tokenizer's ``vocab_size`` (padded rows dropped), *before* temperature,
@@ -61,7 +62,7 @@ def generate(
     prompts: list[list[int]],
     *,
     max_new_tokens: int,
-    eos_id: int | None,
+    eos_id: int | Sequence[int] | None,
     pad_id: int,
     vocab_size: int,
     temperature: float = 1.0,
@@ -78,10 +79,11 @@ def generate(
         model: a ``GPTModel`` (PP=1), or a wrapper of one with ``.module`` (Megatron DDP / Float16Module). Put in eval
             mode and run under ``torch.no_grad()``; its training mode is restored afterwards. With sequence
             parallelism it is switched off for the call and back on after.
-        prompts: token ids per prompt (e.g. ``[tok.bos_id] + tok.encode(text)``), any lengths >= 1, same on every
+        prompts: token ids per prompt (e.g. ``tok.start_ids() + tok.encode(text)``), any lengths >= 1, same on every
             TP rank.
         max_new_tokens: cap on new tokens per prompt.
-        eos_id: a row stops after emitting it (None: never stop early). Generation ends when every row has stopped.
+        eos_id: a row stops after emitting it, or any of several stop ids (EOS and a chat template's end-of-turn
+            token: ``tok.stop_ids``); None: never stop early. Generation ends when every row has stopped.
         pad_id: the id used for left padding (never attended to, so any valid id works).
         vocab_size: the tokenizer's vocabulary size; logits of the padded embedding rows beyond it are dropped, so
             those ids are never sampled and do not enter ``logprobs``.
@@ -133,6 +135,8 @@ def generate(
     context = StaticInferenceContext(max_batch_size=b, max_sequence_length=total) if use_cache else None
     generator = torch.Generator(device=device).manual_seed(seed)
 
+    stop = torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id or ())), dtype=torch.long,
+                        device=device)  # [k] stop ids
     steps = 0
     with _inference_mode(model, gpt), _mask_honouring_attention(gpt):
         for step in range(max_new_tokens):
@@ -161,17 +165,18 @@ def generate(
             logprobs[:, step] = F.log_softmax(logits, dim=-1).gather(1, next_token.unsqueeze(1)).squeeze(1)  # [b]
             tokens[:, end] = next_token
             steps = step + 1
-            if eos_id is not None:
-                done |= next_token == eos_id
+            if len(stop):
+                done |= torch.isin(next_token, stop)
             if bool(done.all()):
                 break
 
     out = Generation(tokens=[], ended_with_eos=[], logprobs=[])
+    stop_ids = set(stop.tolist())
     for row, row_lp in zip(tokens[:, prompt_len : prompt_len + steps].tolist(), logprobs[:, :steps].tolist()):
-        n = row.index(eos_id) + 1 if eos_id is not None and eos_id in row else len(row)  # cut after the first EOS
-        out.tokens.append(row[:n])
-        out.logprobs.append(row_lp[:n])
-        out.ended_with_eos.append(eos_id is not None and eos_id in row)
+        n = next((j + 1 for j, t in enumerate(row) if t in stop_ids), None)  # cut after the first stop id
+        out.tokens.append(row[: n or len(row)])
+        out.logprobs.append(row_lp[: n or len(row)])
+        out.ended_with_eos.append(n is not None)
     return out
 
 

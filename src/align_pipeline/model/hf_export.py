@@ -351,6 +351,8 @@ def _tokenizer_files(tokenizer_dir: Path, out: Path) -> dict[str, int | None]:
         ours = load_tokenizer(tokenizer_dir)
         tok = PreTrainedTokenizerFast(tokenizer_object=ours.tokenizer, bos_token=ours.id_to_token(ours.bos_id),
                                       eos_token=ours.id_to_token(ours.eos_id), pad_token=ours.id_to_token(ours.pad_id))
+        if ours.chat_template is not None:  # data_prep.tokenizer.chat_template
+            tok.chat_template = ours.chat_template.source
     tok.save_pretrained(str(out))
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
 
