@@ -24,6 +24,7 @@ from align_pipeline.config import (
 )
 from align_pipeline.data.formats import save_jsonl, save_npz
 from align_pipeline.data.schemas import read_raw_jsonl, record_texts
+from align_pipeline.data.store import select
 from align_pipeline.data.tokenize import DataPrepConfig, encode, split_encoded
 from align_pipeline.data.tokenizer import TokenizerConfig, build_tokenizer
 from align_pipeline.launch import run_torchrun
@@ -48,7 +49,7 @@ def make_sft_data(out: Path, n_train: int | None = None) -> dict[str, str]:
     for split, bundle in parts.items():
         arrays = bundle.arrays
         if n_train is not None and split == "train":
-            arrays = {k: v[:n_train] for k, v in arrays.items()}
+            arrays = select(arrays, range(n_train))
         save_npz(out / f"sft_{split}.npz", arrays, bundle.meta)
         paths[split] = str(out / f"sft_{split}.npz")
     return paths

@@ -26,3 +26,22 @@ def copy_project(root: Path, *, raw: bool = True, params: dict[str, dict[str, An
         (root / "conf" / env).mkdir(exist_ok=True)
         (root / "conf" / env / f"parameters_{name}.yml").write_text(yaml.safe_dump(values))
     return root
+
+
+def run_kedro(root: Path, *pipelines: str, env: str | None = "test"):
+    """``kedro run --env <env> --pipelines <pipelines>`` (all of them when none) through a KedroSession; returns the
+    free outputs."""
+    from kedro.framework.session import KedroSession
+    from kedro.framework.startup import bootstrap_project
+
+    bootstrap_project(root)
+    with KedroSession.create(project_path=root, env=env) as session:
+        return session.run(pipeline_names=list(pipelines) or None)
+
+
+def enter_project(monkeypatch, root: Path, experiment: str) -> Path:
+    """Work in ``root`` with its own sqlite MLflow store and experiment (undone after the test)."""
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", experiment)
+    return root

@@ -299,8 +299,8 @@ def test_other_stages_take_pipeline_parallelism(stage):
 
 def test_a_pipeline_parallel_rl_job_fails_when_the_job_is_built():
     paths = {"run_dir": "r", "prompts": "p", "tokenizer": "t", "policy": "s"}
-    job = {"paths": paths, "reinforce": {"reward": {"reward_model_weight": 0.0, "checker_weight": 1.0},
-                                         "generation": {"samples_per_prompt": 4}}}
+    reward = {"reward_model_weight": 0.0, "functions": [{"name": "align_pipeline.rewards:demo_task"}]}
+    job = {"paths": paths, "reinforce": {"reward": reward, "generation": {"samples_per_prompt": 4}}}
     with pytest.raises(ConfigError, match=r"ReinforceJob.parallel.pipeline_model_parallel_size=2: the reinforce"):
         from_dict(config.ReinforceJob, {**job, "parallel": {"pipeline_model_parallel_size": 2}})
     from_dict(config.ReinforceJob, job)

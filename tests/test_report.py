@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from align_pipeline.report import rank_policies, report_table
+from align_pipeline.report import UNGROUPED, group_labels, group_means, rank_policies, report_table
 
 
 def _m(acc: float, greedy: float | None = None, kl: float = 0.0) -> dict:
@@ -38,3 +38,28 @@ def test_table_lists_policies_in_rank_order_with_kind_columns_and_rm_line():
     assert lines[2] == "| 1 | dpo | 0.300 | 0.400 | 0.700 | 0.070 | 4.000 |"
     assert lines[3] == "| 2 | sft | 0.200 | 0.300 | 0.500 | 0.000 | 4.000 |"
     assert lines[-1] == "Reward model accuracy on 200 held-out pairs: 0.665"
+
+
+def test_without_reward_functions_the_reward_model_score_ranks():
+    policies = {"sft": {"reward_model_score": 0.1, "kl_to_reference": 0.0},
+                "ppo": {"reward_model_score": 0.9, "kl_to_reference": 0.3},
+                "dpo": {"reward_model_score": 0.9, "kl_to_reference": 0.1}}
+    assert rank_policies(policies) == ["dpo", "ppo", "sft"]
+    report = {"policies": policies, "ranking": rank_policies(policies)}
+    lines = report_table(report).splitlines()
+    assert lines[0] == "| rank | policy | RM score | KL to reference |"
+    assert lines[2] == "| 1 | dpo | 0.900 | 0.100 |"
+
+
+def test_group_labels_come_from_a_record_field_not_the_prompt_text():
+    records = [{"prompt": "add: 1+2", "category": "add"}, {"prompt": "reverse: ab", "category": "reverse"},
+               {"prompt": "x: y", "category": "Number Theory/2"}, {"prompt": "q", "category": None}, {"prompt": "r"}]
+    assert group_labels(records, "category") == ["add", "reverse", "Number_Theory_2", UNGROUPED, UNGROUPED]
+    assert group_labels(records, None) is None
+    assert group_labels(records, "level") is None  # no record has it: no breakdown (not one "ungrouped" group)
+    assert group_labels([{"prompt": "p", "level": 3}], "level") == ["3"]
+
+
+def test_group_means():
+    assert group_means([1.0, 0.0, 1.0, 1.0], ["b", "a", "b", "a"], "accuracy") == {"accuracy_a": 0.5,
+                                                                                   "accuracy_b": 1.0}

@@ -29,7 +29,15 @@ def register_pipelines() -> dict[str, Pipeline]:
         "dpo_flow": stages["data_prep"] + stages["sft"] + stages["dpo"]
         + evaluation.create_pipeline(policies=["sft_policy", "dpo_policy"], reward_model=False),
     }
-    # reinforce_rm: the reinforce stage with the catalog's reward model wired in (reward.reward_model_weight > 0).
-    # export: run after training (`kedro run --pipelines export`); not part of __default__, which trains.
-    return {**stages, **compositions, "reinforce_rm": reinforce.create_pipeline(reward_model=True),
-            "export": export.create_pipeline(), "__default__": sum(stages.values(), Pipeline([]))}
+    # regression_data + steerlm_reward_model: SteerLM attribute data (data/01_raw/regression.jsonl, not shipped) ->
+    # a multi-attribute regression reward model in the catalog's reward_model (reward_model.loss: regression).
+    regression = data_prep.create_regression_pipeline()
+    extra = {
+        "regression_data": regression,
+        "steerlm_reward_model": regression + reward_model.create_pipeline(data="reg"),
+        # the reinforce stage with the catalog's reward model wired in (reward.reward_model_weight > 0)
+        "reinforce_rm": reinforce.create_pipeline(reward_model=True),
+        # run after training (`kedro run --pipelines export`); not part of __default__, which trains
+        "export": export.create_pipeline(),
+    }
+    return {**stages, **compositions, **extra, "__default__": sum(stages.values(), Pipeline([]))}

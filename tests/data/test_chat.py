@@ -8,6 +8,7 @@ import pytest
 from chat_tokenizers import make_chat_tokenizer_dir
 
 from align_pipeline.data.schemas import DataValidationError, parse_jsonl_bytes
+from align_pipeline.data.store import as_rows
 from align_pipeline.data.tokenize import DataPrepConfig, encode
 from align_pipeline.data.tokenizer import TokenizerConfig, load_tokenizer
 
@@ -22,6 +23,11 @@ CONVERSATION = {
 }
 NO_SYSTEM = {"conversations": CONVERSATION["conversations"]}
 END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "mistral": "</s>"}
+
+def _rows(enc, tok, seq_length):
+    """Every sample padded to seq_length (the rows a batch of them would hold)."""
+    return as_rows(enc.arrays, seq_length, tok.pad_id)
+
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +66,7 @@ def test_sft_loss_is_exactly_the_assistant_turns(hf_dirs, style):
     tok = load_tokenizer(hf_dirs[style])
     hf = AutoTokenizer.from_pretrained(str(hf_dirs[style]))
     record = NO_SYSTEM if style == "mistral" else CONVERSATION
-    a = encode(_raw("sft", [record]), tok, 128).arrays
+    a = _rows(encode(_raw("sft", [record]), tok, 128), tok, 128)
     L = int((a["input_ids"][0] != tok.pad_id).sum()) if tok.pad_id not in tok.stop_ids else None
     ids = a["input_ids"][0].tolist()
     # The sequence is the template's text, tokenized as transformers tokenizes it, with exactly one BOS where the
@@ -95,7 +101,7 @@ def test_prompts_render_like_training_with_the_generation_prompt(hf_dirs, style)
     assert rec["category"] == "math" and rec["prompt"] == prompt and rec["answer"] == "42"  # fields kept
     # A preference pair's response starts right where the generation prompt ends (same rendering as generation).
     pair = {"prompt": prompt, "chosen_response": "The answer is 42.", "rejected_response": "41"}
-    p = encode(_raw("preference", [pair]), tok, 64).arrays
+    p = _rows(encode(_raw("preference", [pair]), tok, 64), tok, 64)
     n = len(rec["prompt_ids"])
     assert p["chosen_input_ids"][0, :n].tolist() == rec["prompt_ids"]
     first_loss = int(np.argmax(p["chosen_loss_mask"][0]))
@@ -132,14 +138,14 @@ def test_steerlm_labels_are_kept(hf_dirs):
     tok = load_tokenizer(hf_dirs["steerlm"])
     record = {"conversations": [{"from": "User", "value": "What is 12 + 30?"},
                                 {"from": "Assistant", "value": "42", "label": "quality:4,toxicity:0"}]}
-    a = encode(_raw("sft", [record]), tok, 96).arrays
+    a = _rows(encode(_raw("sft", [record]), tok, 96), tok, 96)
     text = tok.decode(a["input_ids"][0], skip_special_tokens=False)
     assert "<label>quality:4,toxicity:0\n42<|im_end|>" in text
     # The label conditions the turn: it is part of the rendered assistant turn, so its tokens are trained on too in
     # this template; the plain layout (no template) puts it before the turn as context with no loss.
     plain = load_tokenizer(hf_dirs["steerlm"])
-    b = encode(_raw("sft", [record]), plain, 96, DataPrepConfig(tokenizer=TokenizerConfig(use_chat_template=False)))
-    supervised = b["arrays"] if isinstance(b, dict) else b.arrays
+    plain_config = DataPrepConfig(tokenizer=TokenizerConfig(use_chat_template=False))
+    supervised = _rows(encode(_raw("sft", [record]), plain, 96, plain_config), plain, 96)
     sup = supervised["labels"][0][supervised["loss_mask"][0] == 1]
     assert plain.decode(sup, skip_special_tokens=False) == "42" + plain.id_to_token(plain.eos_id)
     assert "quality:4,toxicity:0\n42" in plain.decode(supervised["input_ids"][0], skip_special_tokens=False)

@@ -10,6 +10,7 @@ from chat_tokenizers import make_chat_tokenizer_dir
 from align_pipeline.config import from_dict
 from align_pipeline.config.base import ConfigError
 from align_pipeline.data.schemas import DataValidationError, parse_jsonl_bytes
+from align_pipeline.data.store import as_rows
 from align_pipeline.data.tokenize import DataPrepConfig, OverlongConfig, encode
 from align_pipeline.data.tokenizer import load_tokenizer, train_tokenizer
 
@@ -30,6 +31,11 @@ def _config(**policies):
 
 SFT = [{"input": "add: 1+2\n", "output": "3"}, {"input": "q: ", "output": "x" * 40}, {"input": "a" * 30, "output": "b"}]
 
+def _rows(enc, tok, seq_length):
+    """Every sample padded to seq_length (the rows a batch of them would hold)."""
+    return as_rows(enc.arrays, seq_length, tok.pad_id)
+
+
 
 def test_error_names_file_line_and_the_setting(tok):
     with pytest.raises(DataValidationError) as exc:
@@ -41,7 +47,7 @@ def test_error_names_file_line_and_the_setting(tok):
 
 def test_truncate_cuts_at_seq_length_and_keeps_the_loss_that_fits(tok):
     enc = encode(_raw("sft", SFT), tok, 20, _config(sft="truncate"))
-    a = enc.arrays
+    a = _rows(enc, tok, 20)
     # line 2 is cut: 1 bos + 3 prompt chars + 16 response chars; line 3's prompt alone fills 20 tokens -> dropped
     assert enc.overlong == {"sft_truncated": 1, "sft_dropped": 1}
     assert len(a["input_ids"]) == 2 and enc.keys == ["add: 1+2\n", "q: "]
@@ -58,7 +64,7 @@ def test_drop_leaves_out_and_counts(tok):
              {"prompt": "p2", "chosen_response": "a", "rejected_response": "b"}]
     enc = encode(_raw("preference", pairs), tok, 20, _config(preference="drop"))
     assert enc.overlong == {"preference_truncated": 0, "preference_dropped": 1}
-    assert len(enc.arrays["chosen_input_ids"]) == len(enc.arrays["chosen_reward"]) == 1
+    assert len(enc.arrays["chosen_offsets"]) - 1 == len(enc.arrays["chosen_reward"]) == 1
     enc = encode(_raw("preference", pairs), tok, 20, _config(preference="truncate"))
     assert enc.overlong == {"preference_truncated": 1, "preference_dropped": 0}
     prompts = [{"prompt": "add: 1+2\n", "answer": "3"}, {"prompt": "add: 1+2\n", "answer": "9" * 30}]
@@ -78,13 +84,13 @@ def test_length_check_costs_characters_not_tokens(tok, monkeypatch):
     longest = []
     encode_text = type(tok).encode
     monkeypatch.setattr(type(tok), "encode", lambda self, text: longest.append(len(text)) or encode_text(self, text))
-    with pytest.raises(DataValidationError, match=r"line 2: .*more than 100 characters"):
+    with pytest.raises(DataValidationError, match=r"line 2: .*2000003 characters \(more than 100, so more than 20 tokens\)"):
         encode(_raw("sft", [SFT[0], huge]), tok, 20)
     assert max(longest) < 100  # the 2M-character line was never tokenized
     longest.clear()
     enc = encode(_raw("sft", [SFT[0], huge]), tok, 20, _config(sft="truncate"))
     assert enc.overlong["sft_truncated"] == 1 and max(longest) <= 105  # tokenized from a prefix only
-    assert tok.decode(enc.arrays["input_ids"][1]) == "q: " + "x" * 16
+    assert tok.decode(_rows(enc, tok, 20)["input_ids"][1]) == "q: " + "x" * 16
 
 
 def test_nemo_reward_model_pairs(tok, tmp_path):
@@ -100,7 +106,7 @@ def test_nemo_reward_model_pairs(tok, tmp_path):
         _raw("preference", [lines[0], {"prompt": "p", "chosen_response": "a", "rejected_response": "b"}])
     # already-templated text is never passed through a chat template
     hf = load_tokenizer(make_chat_tokenizer_dir(tmp_path / "chatml", "chatml"))
-    a = encode(raw, hf, 64).arrays
+    a = _rows(encode(raw, hf, 64), hf, 64)
     n = int((a["chosen_loss_mask"][0] != 0).sum())
     row = a["chosen_input_ids"][0][: n + len(hf.encode(raw.records[0]["prompt"]))]
     assert hf.decode(row, skip_special_tokens=False) == lines[0]["text"] + "<|im_end|>"  # + EOS, no markup

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from align_pipeline.data.schemas import DataValidationError, parse_jsonl_bytes, record_texts
+from align_pipeline.data.store import as_rows
 from align_pipeline.data.tokenize import DataPrepConfig, encode, split_encoded, split_indices
 from align_pipeline.data.tokenizer import train_tokenizer
 
@@ -13,6 +14,11 @@ from align_pipeline.data.tokenizer import train_tokenizer
 def _raw(kind, records, name=None):
     blob = "".join(json.dumps(r) + "\n" for r in records).encode()
     return parse_jsonl_bytes(blob, kind, name or f"data/01_raw/{kind}.jsonl")
+
+def _rows(enc, tok, seq_length):
+    """Every sample padded to seq_length (the rows a batch of them would hold)."""
+    return as_rows(enc.arrays, seq_length, tok.pad_id)
+
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +29,7 @@ def tok():
 def test_sft_prompt_tokens_carry_no_loss(tok):
     raw = _raw("sft", [{"input": "add: 23+45\n", "output": "68"}, {"input": "reverse: abc\n", "output": "cba"}])
     S = 24
-    a = encode(raw, tok, S).arrays
+    a = _rows(encode(raw, tok, S), tok, S)
     assert a["input_ids"].dtype == np.int64 and a["labels"].dtype == np.int64 and a["loss_mask"].dtype == np.float32
     assert a["input_ids"].shape == a["labels"].shape == a["loss_mask"].shape == (2, S)
     for i, (p, r) in enumerate([("add: 23+45\n", "68"), ("reverse: abc\n", "cba")]):
@@ -52,7 +58,7 @@ def test_chat_loss_only_on_assistant_turns(tok):
             {"from": "Assistant", "value": "7"},
         ],
     }
-    a = encode(_raw("sft", [chat]), tok, 48).arrays
+    a = _rows(encode(_raw("sft", [chat]), tok, 48), tok, 48)
     supervised = a["labels"][0][a["loss_mask"][0] == 1].tolist()
     assert supervised == tok.encode("3") + [tok.eos_id] + tok.encode("7") + [tok.eos_id]
 
@@ -68,7 +74,7 @@ def test_preference_arrays_and_rewards(tok):
         },
         {"prompt": "reverse: ab\n", "chosen_response": "ba", "rejected_response": "ab"},
     ]
-    a = encode(_raw("preference", recs), tok, 32).arrays
+    a = _rows(encode(_raw("preference", recs), tok, 32), tok, 32)
     assert set(a) == {
         f"{s}_{k}" for s in ("chosen", "rejected") for k in ("input_ids", "labels", "loss_mask", "reward")
     }
@@ -124,7 +130,7 @@ def test_too_long_sample_names_length_and_limit(tok, kind, rec, field):
 def test_exactly_seq_length_fits(tok):
     p = "add: 1+2\n"
     S = 1 + len(p) + 3 + 1
-    a = encode(_raw("sft", [{"input": p, "output": "333"}]), tok, S).arrays
+    a = _rows(encode(_raw("sft", [{"input": p, "output": "333"}]), tok, S), tok, S)
     assert a["labels"][0, S - 2] == tok.eos_id and a["loss_mask"][0, S - 2] == 1 and a["loss_mask"][0, S - 1] == 0
 
 
@@ -148,7 +154,8 @@ def test_split_encoded_meta(tok):
     raw = _raw("sft", [{"input": f"add: {i}+1\n", "output": str(i + 1)} for i in range(20)])
     cfg = DataPrepConfig(val_fraction=0.25, seed=1)
     parts = split_encoded(encode(raw, tok, 24), raw, tok, cfg, 24)
-    assert parts["train"].arrays["input_ids"].shape == (15, 24) and parts["val"].arrays["input_ids"].shape == (5, 24)
+    train, val = (as_rows(parts[s].arrays, 24, tok.pad_id) for s in ("train", "val"))
+    assert train["input_ids"].shape == (15, 24) and val["input_ids"].shape == (5, 24)
     m = parts["val"].meta
     assert m["num_samples"] == 5 and m["seq_length"] == 24 and m["tokenizer_fingerprint"] == tok.fingerprint
     assert m["source"] == "data/01_raw/sft.jsonl" and m["source_sha256"] == raw.sha256 and m["split"] == "val"

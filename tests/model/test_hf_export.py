@@ -107,10 +107,10 @@ def _rewards_both_ways(checkpoint: str, hf_dir: Path, pref_val: str, pooling: st
     per-token values pooled by model.sequences.sequence_rewards; HF's from the exported model as its note says."""
     from transformers import AutoModelForSequenceClassification
 
-    from align_pipeline.data.formats import load_npz
+    from align_pipeline.data.store import load_rows
     from align_pipeline.model.sequences import sequence_rewards
 
-    arrays = load_npz(pref_val)
+    arrays = load_rows(pref_val)
     ids = np.concatenate([arrays["chosen_input_ids"][:8], arrays["rejected_input_ids"][:8]])  # [16, S]
     mask = torch.tensor(np.concatenate([arrays["chosen_loss_mask"][:8], arrays["rejected_loss_mask"][:8]]))
     values = torch.tensor(_megatron_logits(checkpoint, run_dir, tokens=ids.tolist()), dtype=torch.float32)

@@ -86,10 +86,10 @@ BAD_CASES = {
         ["sft.jsonl line 17", 'field "output"', "expected a string, got int"],
     ),
     "extra_field": (
-        "prompts",
+        "preference",
         4,
-        '{"prompt": "add: 1+2\\n", "answer": "3", "difficulty": 1}',
-        ["prompts.jsonl line 5", 'field "difficulty"', "unknown field"],
+        '{"prompt": "add: 1+2\\n", "chosen_response": "3", "rejected_response": "4", "difficulty": 1}',
+        ["preference.jsonl line 5", 'field "difficulty"', "unknown field"],
     ),
     "empty_file": ("prompts", None, [], ["prompts.jsonl", "file is empty"]),
     "too_long": (
@@ -133,8 +133,39 @@ def test_bad_parameters_fail_before_anything_runs(project):
     assert _outputs_written(project) == []
 
 
+def test_prompts_lacking_a_field_a_reward_function_needs_fail_at_data_prep(project):
+    """math_answer needs ``answer``: a prompt without one fails here, naming file, line, field and the stage's key,
+    not mid-rollout; with the reward model alone (no functions) the same prompts pass."""
+    data = _write_small_raw(project)
+    lines = [json.dumps(r) for r in data["prompts"]]
+    lines[2] = json.dumps({"prompt": "What is 2 + 2?", "category": "math"})
+    _write_lines(project / "data" / "01_raw" / "prompts.jsonl", lines)
+    params = project / "conf" / "base" / "parameters_reinforce.yml"
+    original = params.read_text()
+    params.write_text(original.replace("align_pipeline.rewards:demo_task", "align_pipeline.rewards:math_answer"))
+    with pytest.raises(Exception) as excinfo:
+        _run(project)
+    err = _find(excinfo.value, DataValidationError)
+    assert err is not None and 'prompts.jsonl line 3: field "answer": missing' in str(err), excinfo.value
+    assert "math_answer" in str(err) and "params:reinforce" in str(err)
+    assert _outputs_written(project) == []
+
+    import yaml
+
+    for name in ("ppo", "reinforce", "evaluation"):  # RM-only reward everywhere: no function needs an answer
+        path = project / "conf" / "base" / f"parameters_{name}.yml"
+        values = yaml.safe_load(path.read_text())
+        values[name]["reward"]["functions"] = []
+        if name != "evaluation":
+            values[name]["reward"]["reward_model_weight"] = 1.0
+        path.write_text(yaml.safe_dump(values))
+    _run(project)
+    assert sorted(_outputs_written(project))
+
+
 def test_good_run_on_shipped_data(project):
-    from align_pipeline.data.formats import load_jsonl, load_npz
+    from align_pipeline.data.formats import load_jsonl
+    from align_pipeline.data.store import load_rows
     from align_pipeline.data.tokenizer import load_tokenizer
 
     result = _run(project)
@@ -145,7 +176,7 @@ def test_good_run_on_shipped_data(project):
     assert (tok_dir / "tokenizer.json").is_file() and (tok_dir / "align_tokenizer.json").is_file()
     tok = load_tokenizer(tok_dir)
 
-    sft = load_npz(out / "sft_train.npz")
+    sft = load_rows(out / "sft_train.npz")
     meta = json.loads((out / "sft_train.npz.meta.json").read_text())
     n_train = meta["num_samples"]
     n_val = json.loads((out / "sft_val.npz.meta.json").read_text())["num_samples"]
@@ -154,7 +185,7 @@ def test_good_run_on_shipped_data(project):
     assert meta["tokenizer_fingerprint"] == tok.fingerprint and meta["source"].endswith("sft.jsonl")
     assert np.array_equal(sft["labels"][:, :-1], sft["input_ids"][:, 1:])
     assert (sft["input_ids"][:, 0] == tok.bos_id).all()
-    pref = load_npz(out / "pref_val.npz")
+    pref = load_rows(out / "pref_val.npz")
     assert pref["chosen_input_ids"].shape == (200, 32) and np.isnan(pref["chosen_reward"]).any()
     prompts = load_jsonl(out / "prompts_val.jsonl")
     assert len(prompts) == 200 and all(p["prompt_ids"][0] == tok.bos_id and p["answer"] for p in prompts)

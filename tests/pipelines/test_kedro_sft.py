@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from projects import copy_project
+from projects import copy_project, enter_project, run_kedro
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -24,19 +24,11 @@ FAST = {
 @pytest.fixture
 def project(tmp_path, monkeypatch):
     root = copy_project(tmp_path / "proj", params={"test/fast": FAST})
-    monkeypatch.chdir(root)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test-sft")
-    return root
+    return enter_project(monkeypatch, root, "test-sft")
 
 
 def _run(root: Path, *pipelines: str):
-    from kedro.framework.session import KedroSession
-    from kedro.framework.startup import bootstrap_project
-
-    bootstrap_project(root)
-    with KedroSession.create(project_path=root, env="test") as session:
-        return session.run(pipeline_names=list(pipelines))
+    return run_kedro(root, *pipelines)
 
 
 def test_data_prep_and_sft_then_rerun_sft_makes_a_second_version(project):

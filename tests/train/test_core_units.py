@@ -11,11 +11,14 @@ import pytest
 import torch
 import torch.distributed as tdist
 
+from align_pipeline.config import ConfigError, RewardConfig, from_dict
+from align_pipeline.config.checks import attribute_weights, check_reward_model
 from align_pipeline.model.logprobs import token_entropy
-from align_pipeline.model.sequences import pair_batch, sequence_rewards
+from align_pipeline.model.sequences import attribute_rewards, pair_batch, sequence_rewards
+from align_pipeline.rewards import RewardFunctions
 from align_pipeline.train.core.batches import ArrayBatches, PromptStream, split_rows, to_rows
 from align_pipeline.train.core.distributed import Dist
-from align_pipeline.train.core.rollout import DPStats
+from align_pipeline.train.core.rollout import DPStats, Rollout, rollout_stats, score
 
 
 def dist(dp_rank: int = 0, dp_size: int = 1) -> Dist:
@@ -106,6 +109,65 @@ def test_sequence_rewards_last_and_mean_pooling():
     assert sequence_rewards(values, loss_mask, "mean").tolist() == [2.5]  # mean of positions 2, 3
     with pytest.raises(ValueError, match="pooling"):
         sequence_rewards(values, loss_mask, "max")
+
+
+def test_attribute_rewards_combine_the_outputs_of_a_multi_attribute_model():
+    values = torch.tensor([[[0.0, 0.0], [1.0, 10.0], [3.0, 30.0], [99.0, 99.0]]])  # [1, 4, A=2]
+    loss_mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])  # the response is input positions 1, 2
+    assert attribute_rewards(values, loss_mask, "mean", None).tolist() == [2.0]  # output 0 alone
+    assert attribute_rewards(values, loss_mask, "mean", [1.0, 0.5]).tolist() == [2.0 + 0.5 * 20.0]
+    assert attribute_rewards(values, loss_mask, "last", [0.0, -1.0]).tolist() == [-30.0]
+    with pytest.raises(ValueError, match="3 attribute weights for a reward model with 2 outputs"):
+        attribute_rewards(values, loss_mask, "mean", [1.0, 1.0, 1.0])
+
+
+def test_attribute_weights_are_required_for_a_multi_attribute_reward_model(tmp_path):
+    assert attribute_weights(None, 1, "params:ppo.reward", "rm") is None  # one output: its score as it is
+    assert attribute_weights([2.0], 1, "params:ppo.reward", "rm") == [2.0]
+    assert attribute_weights([1.0, 0.0, 0.5], 3, "params:ppo.reward", "rm") == [1.0, 0.0, 0.5]
+    with pytest.raises(ConfigError, match=r"^params:ppo.reward.reward_model_attribute_weights is not set, but the "
+                                          r"reward model /m/rm has 3 outputs \(a multi-attribute regression model\)"):
+        attribute_weights(None, 3, "params:ppo.reward", "/m/rm")
+    with pytest.raises(ConfigError, match=r"^params:ppo.reward.reward_model_attribute_weights has 2 weights, but the "
+                                          r"reward model rm has 3 outputs"):
+        attribute_weights([1.0, 1.0], 3, "params:ppo.reward", "rm")
+    (tmp_path / "meta.json").write_text('{"head": "value", "num_outputs": 2}')
+    cfg = from_dict(RewardConfig, {}, "params:reinforce.reward")
+    with pytest.raises(ConfigError, match=r"params:reinforce.reward.reward_model_attribute_weights is not set"):
+        check_reward_model(cfg, tmp_path, "params:reinforce.reward")
+    check_reward_model(from_dict(RewardConfig, {"reward_model_attribute_weights": [1, 1]}), tmp_path, "k")
+    check_reward_model(cfg, None, "k")  # no reward model
+    check_reward_model(cfg, tmp_path / "missing", "k")  # no meta.json: loading it reports that
+
+
+def _rollout(records: list[dict], texts: list[str], eos: list[bool]) -> Rollout:
+    return Rollout(records, [[5]] * len(texts), eos, {"loss_mask": torch.ones(len(texts), 4)}, texts)
+
+
+def test_score_weights_the_reward_functions_and_the_eos_penalty(single_process_group):
+    cfg = from_dict(RewardConfig, {"reward_model_weight": 0.0, "missing_eos_penalty": 0.25, "functions": [
+        {"name": "align_pipeline.rewards:demo_task", "weight": 2.0},
+        {"name": "align_pipeline.rewards:exact_match", "weight": 0.5}]})
+    fns = RewardFunctions.load(cfg, "reward")
+    recs = [{"prompt": "add: 12+34\n", "answer": "46", "prompt_ids": [1]},
+            {"prompt": "reverse: abc\n", "answer": "cba", "prompt_ids": [1]}]
+    r = _rollout([recs[0], recs[0], recs[1]], ["46", "47", "cba"], [True, True, False])
+    s = score(r, cfg, fns, None, None, 2, dist())
+    assert s.total.tolist() == [2.5, 0.0, 2.5 - 0.25] and s.correct.tolist() == [1.0, 0.0, 1.0]
+    assert s.functions.tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]] and s.rm is None
+    out = rollout_stats(r, s, fns, dist()).reduce()
+    assert out["rollout/accuracy"] == pytest.approx(2 / 3)
+    assert out["rollout/reward_demo_task"] == pytest.approx(2 / 3) and "rollout/reward_exact_match" in out
+
+
+def test_score_without_reward_functions_has_no_accuracy_and_needs_no_answer(single_process_group):
+    cfg = from_dict(RewardConfig, {"reward_model_weight": 1.0, "missing_eos_penalty": 1.0})
+    fns = RewardFunctions.load(cfg, "reward")
+    r = _rollout([{"prompt": "what?", "answer": None, "prompt_ids": [1]}] * 2, ["a", "b"], [True, False])
+    s = score(r, cfg, fns, None, None, 2, dist())
+    assert s.total.tolist() == [0.0, -1.0] and s.correct is None and s.functions is None
+    out = rollout_stats(r, s, fns, dist()).reduce()
+    assert "rollout/accuracy" not in out and out["rollout/rewards_mean"] == pytest.approx(-0.5)
 
 
 def test_pair_batch_stacks_chosen_over_rejected():

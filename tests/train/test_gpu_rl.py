@@ -26,6 +26,7 @@ from align_pipeline.config import (
     ReinforceConfig,
     ReinforceJob,
     RewardConfig,
+    RewardFunctionConfig,
     RLLoopConfig,
     RLPaths,
     TrainingConfig,
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.gpu
 MODEL = ModelConfig(num_layers=16, hidden_size=1024, num_attention_heads=16, num_query_groups=4, ffn_hidden_size=2816,
                     seq_length=160)
 BF16 = ParallelConfig(bf16=True)
+DEMO = RewardFunctionConfig(name="align_pipeline.rewards:demo_task", weight=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,7 @@ def _section(samples: int, prompts: int) -> dict:
         "rl": RLLoopConfig(iterations=2, prompts_per_iteration=prompts, epochs=1, minibatches=4, micro_batch_size=32,
                            eval_interval=0, eval_prompts=64, save_interval=0),
         "generation": GenerationConfig(max_new_tokens=128, samples_per_prompt=samples, batch_size=256),
-        "reward": RewardConfig(reward_model_weight=1.0, checker_weight=1.0),
+        "reward": RewardConfig(reward_model_weight=1.0, functions=[DEMO]),
         "optimizer": OptimizerConfig(lr=1e-6, min_lr=1e-7, warmup_steps=0),
     }
 
@@ -99,7 +101,7 @@ def test_ppo_iteration_on_one_gpu(models, tmp_path, offload):
 
 def test_reinforce_iteration_on_one_gpu(models, tmp_path):
     section = _section(samples=4, prompts=64)
-    section["reward"] = RewardConfig(reward_model_weight=0.0, checker_weight=1.0)
+    section["reward"] = RewardConfig(reward_model_weight=0.0, functions=[DEMO])
     job = ReinforceJob(reinforce=ReinforceConfig(**section), model=ModelConfig(attention_backend="sdpa"),
                        parallel=BF16, paths=RLPaths(**_paths(models, tmp_path / "rf")))
     result = _run("reinforce", job, tmp_path / "rf")

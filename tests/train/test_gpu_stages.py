@@ -84,7 +84,8 @@ def test_all_stages_one_gpu(tmp_path):
     save_jsonl(prompts, enc.records[:200], {"source": "test"})
     report_dir, metrics = evaluate_policies(
         tok, load_artifact(prompts), load_artifact(pref["val"]), load_artifact(data["val"]),
-        parallel={}, launch={}, evaluation={"runs_dir": str(tmp_path), "generation": {"samples_per_prompt": 2}},
+        parallel={}, launch={}, evaluation={"runs_dir": str(tmp_path), "generation": {"samples_per_prompt": 2},
+                                            "reward": {"functions": [{"name": "align_pipeline.rewards:demo_task"}]}},
         reward_model=rm["model_dir"], sft_policy=sft["model_dir"], dpo_policy=dpo["model_dir"])
     timings["evaluation_s"] = time.perf_counter() - t
     print("GPU stages:", json.dumps({**timings, **{k: round(v, 4) for k, v in metrics.items()

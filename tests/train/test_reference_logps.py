@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from align_pipeline.config import LaunchConfig
-from align_pipeline.data.formats import Artifact, load_artifact, save_npz
+from align_pipeline.data.formats import Artifact, load_artifact, load_npz, save_npz
+from align_pipeline.data.store import load_rows, num_samples, select
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.launch import run_torchrun
 from align_pipeline.pipelines.dpo.nodes import compute_reference_logps
@@ -34,7 +35,7 @@ def _node(root, policy, pref, train, micro=8, nproc=1):
 
 def _independent_logps(policy: str, npz: str, rows: slice, run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     """log pi(y|x) from full logits (logits_worker) + a numpy log-softmax: no code shared with the cached path."""
-    arrays = np.load(npz)
+    arrays = load_rows(npz)
     out = []
     for side in ("chosen", "rejected"):
         ids, labels, mask = (arrays[f"{side}_{k}"][rows] for k in ("input_ids", "labels", "loss_mask"))
@@ -66,11 +67,11 @@ def test_cached_logps_equal_an_independent_forward_and_are_reused(setup, tmp_pat
     assert again.meta["reused"] is True and again.path == first.path and os.path.getmtime(first.path) == mtime
 
     # Changed data -> new key -> recomputed, here at DP=2 with another micro-batch size: the same numbers.
-    arrays = dict(np.load(pref["train"]))
+    arrays = load_npz(pref["train"])
     changed = tmp_path / "pref_train_changed.npz"
-    tokenized_with = load_artifact(pref["train"]).meta["tokenizer_fingerprint"]
-    save_npz(changed, {k: v[:-3] for k, v in arrays.items()},
-             {"source": "test", "tokenizer_fingerprint": tokenized_with})  # fmt: skip
+    meta = load_artifact(pref["train"]).meta
+    save_npz(changed, select(arrays, range(num_samples(arrays) - 3)),
+             {"source": "test", **{k: meta[k] for k in ("tokenizer_fingerprint", "seq_length", "pad_id")}})
     rebuilt = _node(root, policy, pref, load_artifact(changed), micro=4, nproc=2)  # new key: data changed
     assert rebuilt.meta["reused"] is False and rebuilt.path != first.path
     fresh = np.load(rebuilt.path)

@@ -27,6 +27,7 @@ from align_pipeline.config import (
     ReinforceJob,
     ReinforceLossConfig,
     RewardConfig,
+    RewardFunctionConfig,
     RLLoopConfig,
     RLPaths,
     to_dict,
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.slow  # launches torchrun jobs or a KedroSession
 HERE = Path(__file__).resolve().parent
 # Per-iteration numbers that are not timings (those differ run to run).
 DETERMINISTIC = ("rollout/", "train/", "critic/", "val/")
+DEMO = RewardFunctionConfig(name="align_pipeline.rewards:demo_task", weight=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def ppo_job(models, run_dir: Path, iterations: int = 2, parallel: ParallelConfig
             stop_after: int | None = None, critic_warmup: int = 0) -> PPOJob:
     section = PPOConfig(
         **_rl_section(iterations),
-        reward=RewardConfig(reward_model_weight=1.0, checker_weight=1.0, missing_eos_penalty=0.5),
+        reward=RewardConfig(reward_model_weight=1.0, functions=[DEMO], missing_eos_penalty=0.5),
         kl=KLConfig(beta=0.1, adaptive=True, target=0.5, horizon=100.0),
         loss=PPOLossConfig(entropy_coef=0.01, value_clip_eps=None if critic_warmup else 0.2),
         critic_optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0), critic_warmup_iterations=critic_warmup,
@@ -73,7 +75,7 @@ def ppo_job(models, run_dir: Path, iterations: int = 2, parallel: ParallelConfig
 
 
 def reinforce_job(models, run_dir: Path, iterations: int = 2, stop_after: int | None = None, **section) -> ReinforceJob:
-    fields = {**_rl_section(iterations), "reward": RewardConfig(reward_model_weight=0.0, checker_weight=1.0),
+    fields = {**_rl_section(iterations), "reward": RewardConfig(reward_model_weight=0.0, functions=[DEMO]),
               "loss": ReinforceLossConfig(estimator="grpo"), "kl": KLConfig(estimator="k3", beta=0.05), **section}
     fields["generation"] = dataclasses.replace(fields["generation"], samples_per_prompt=4)
     return ReinforceJob(reinforce=ReinforceConfig(**fields), model=TINY_MODEL, paths=RLPaths(**_rl_paths(models, run_dir)),

@@ -15,6 +15,7 @@ import pytest
 from jobs import assert_close, losses, make_sft_data, run_sft, sft_job
 
 from align_pipeline.config import LaunchConfig
+from align_pipeline.data.store import load_rows
 from align_pipeline.launch import run_torchrun
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,7 @@ def _logits(checkpoint: str, tp: int, run_dir: Path, tokens) -> np.ndarray:
 
 def test_tp2_checkpoint_loads_at_tp1_with_identical_logits(data, tmp_path):
     trained = run_sft(sft_job(data, tmp_path / "tp2", parallel={"tensor_model_parallel_size": 2}), nproc=2)
-    tokens = np.load(data["val"])["input_ids"][:2].tolist()
+    tokens = load_rows(data["val"])["input_ids"][:2].tolist()
     at_tp2 = _logits(trained["model_dir"], 2, tmp_path / "l2", tokens)
     at_tp1 = _logits(trained["model_dir"], 1, tmp_path / "l1", tokens)
     assert at_tp1.shape == (2, 48, at_tp1.shape[-1])
@@ -88,7 +89,7 @@ def test_resume_is_exact(data, reference, tmp_path, nproc, parallel):
     assert [h["step"] for h in resumed["history"]] == [4, 5, 6]
     assert losses(resumed) == losses(straight)[3:]  # bit-exact
     assert resumed["val_loss"] == straight["val_loss"]
-    tokens = np.load(data["val"])["input_ids"][:2].tolist()
+    tokens = load_rows(data["val"])["input_ids"][:2].tolist()
     a = _logits(straight["model_dir"], 1, tmp_path / "la", tokens)
     b = _logits(resumed["model_dir"], 1, tmp_path / "lb", tokens)
     assert np.array_equal(a, b)
@@ -114,7 +115,7 @@ def test_tp2_pp2_checkpoint_loads_at_tp1_pp1(data, tmp_path):
     trained = run_sft(sft_job(data, tmp_path / "tp2pp2", parallel=parallel), nproc=4)
     history = losses(trained)
     assert len(history) == 6 and history[-1] < history[0] - 0.1, history
-    tokens = np.load(data["val"])["input_ids"][:2].tolist()
+    tokens = load_rows(data["val"])["input_ids"][:2].tolist()
     at_tp2 = _logits(trained["model_dir"], 2, tmp_path / "l2", tokens)
     at_tp1 = _logits(trained["model_dir"], 1, tmp_path / "l1", tokens)
     assert_close(at_tp1, at_tp2, tol=1e-5)

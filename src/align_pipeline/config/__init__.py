@@ -4,7 +4,7 @@ the node resolved + lineage.
 * :mod:`.base` – :func:`from_dict` (unknown keys and wrong types fail, naming the key), :func:`to_dict`,
   :func:`config_hash`, :class:`ConfigError`;
 * :mod:`.common` – sections several stages use (``model``, ``parallel``, ``launch``, ``training``, ``generation``,
-  ``reward``, ``kl``, ``rl``, ``offload``) and the path groups of the jobs;
+  ``reward`` and its ``functions``, ``kl``, ``rl``, ``offload``) and the path groups of the jobs;
 * one module per stage: the stage's section (``params:<stage>``) and its job;
 * :mod:`.checks` – the rules that span sections (world size vs TP x PP, heads / layers / sequence vs TP and PP,
   PP = 1 for generating stages, batches over data-parallel ranks), applied by the Kedro hook before any node runs
@@ -24,8 +24,10 @@ from align_pipeline.config.common import (
     OptimizerConfig,
     ParallelConfig,
     RewardConfig,
+    RewardFunctionConfig,
     RLLoopConfig,
     RLPaths,
+    ScoringConfig,
     StageRunConfig,
     TrainingConfig,
     TrainPaths,
@@ -90,10 +92,12 @@ __all__ = [
     "ReinforceJob",
     "ReinforceLossConfig",
     "RewardConfig",
+    "RewardFunctionConfig",
     "RewardModelConfig",
     "RewardModelJob",
     "SFTConfig",
     "SFTJob",
+    "ScoringConfig",
     "StageRunConfig",
     "TrainPaths",
     "TrainingConfig",

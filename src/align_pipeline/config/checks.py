@@ -21,7 +21,9 @@ Where each rule comes from (the code that fails without it):
 * PP = 1 for the stages that generate (ppo, reinforce, evaluation): ``model.generate`` and ``forward_rows``;
 * supervised stages: ``global_batch_size`` splits over DP ranks into micro-batches (``train.core.batches``);
 * RL stages: a rollout splits over DP ranks, and each rank's rows into ``minibatches`` of whole micro-batches
-  (``train.core.rollout``).
+  (``train.core.rollout``);
+* a reward model with A > 1 outputs (multi-attribute regression) is scored with A attribute weights
+  (``reward.reward_model_attribute_weights``; ``model.sequences.rewards_forward``).
 
 Nothing here imports Kedro, Megatron or torch.
 """
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from align_pipeline.config.base import ConfigError, from_dict
-from align_pipeline.config.common import LaunchConfig, ModelConfig, ParallelConfig
+from align_pipeline.config.common import LaunchConfig, ModelConfig, ParallelConfig, ScoringConfig
 
 GENERATING_STAGES: dict[str, str] = {
     "ppo": "it generates rollouts",
@@ -292,3 +294,43 @@ def check_job(
     size, and the model it resolved from ``init_from`` (``model.init.resolve``; ``kind``: random, checkpoint, hf)."""
     models = [] if model is None else [job_arch(model, init_from, kind)]
     return check_job_layout(stage, section, parallel, world, models, job_names(stage, world))
+
+
+def reward_model_outputs(path: str | Path) -> int | None:
+    """The outputs of a value-head checkpoint (its ``meta.json`` ``num_outputs``; 1 when unset); None when it has no
+    readable ``meta.json`` (loading it reports that)."""
+    meta_path = Path(path) / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return None
+    return int(meta.get("num_outputs", 1)) if isinstance(meta, dict) else None
+
+
+def attribute_weights(weights: list[float] | None, num_outputs: int, key: str, model: str | Path
+                      ) -> list[float] | None:
+    """The weights a reward model's ``num_outputs`` outputs are combined with (Σ_a w_a x r_a), checked: None for a
+    one-output model without weights (its score as it is); a multi-attribute model needs one weight per output.
+    ``key`` names the scoring section (``params:ppo.reward``)."""
+    if weights is None:
+        if num_outputs == 1:
+            return None
+        raise ConfigError(
+            f"{key}.reward_model_attribute_weights is not set, but the reward model {model} has {num_outputs} outputs "
+            f"(a multi-attribute regression model): give {num_outputs} weights, one per attribute in the order of "
+            "its training labels (sorted names)"
+        )
+    if len(weights) != num_outputs:
+        raise ConfigError(
+            f"{key}.reward_model_attribute_weights has {len(weights)} weights, but the reward model {model} has "
+            f"{num_outputs} output{'s' if num_outputs > 1 else ''}"
+        )
+    return list(weights)
+
+
+def check_reward_model(scoring: ScoringConfig, path: str | Path | None, key: str) -> None:
+    """:func:`attribute_weights` for the reward model at ``path`` (read from its ``meta.json``; nothing to check
+    without one)."""
+    outputs = reward_model_outputs(path) if path is not None else None
+    if outputs is not None:
+        attribute_weights(scoring.reward_model_attribute_weights, outputs, key, path)

@@ -252,21 +252,71 @@ class GenerationConfig:
 
 
 @dataclass
-class RewardConfig:
-    """How a rollout's sequence-level score is made (PPO, REINFORCE)."""
+class RewardFunctionConfig:
+    """One reward function of a score and its weight (``reward.functions`` of the RL stages and of evaluation)."""
+
+    name: str
+    """``module:function(prompt, response, record) -> float`` (a bool counts as 0/1; pure, no model calls); built-ins:
+    ``align_pipeline.rewards:demo_task``, ``:exact_match``, ``:math_answer``. ``record`` is the prompt's record
+    (every field of its raw line, ``answer`` or None, ``prompt_ids``). Checked when the parameters are loaded:
+    importable, callable with three arguments."""
+    weight: float = 1.0
+    """Its weight in the sequence score (RL stages) and in evaluation's ``function_reward``; 0 = computed and
+    reported (e.g. as the accuracy function), not optimised."""
+
+    def validate(self, where: str = "reward_function") -> None:
+        from align_pipeline.rewards.base import load_reward_function  # lazy: the rewards package imports config
+
+        load_reward_function(self.name, f"{where}.name")
+
+
+@dataclass
+class ScoringConfig:
+    """How a response is scored, except for the KL term: reward functions, which of them decides accuracy, and how
+    a multi-attribute reward model's outputs combine into one score. ``params:evaluation.reward`` is one; the RL
+    stages' ``reward`` (:class:`RewardConfig`) adds the weights of the sequence score."""
+
+    functions: list[RewardFunctionConfig] = field(default_factory=list)
+    """The reward functions with their weights, e.g. ``[{name: "align_pipeline.rewards:math_answer", weight: 1.0}]``;
+    empty = none (reward-model-only scoring: no accuracy metrics, prompts need no ``answer``)."""
+    accuracy_function: str | None = None
+    """The ``name`` of the function in ``functions`` whose value decides accuracy: a response is correct when it
+    returns >= 1 (``rollout/accuracy``, ``val/accuracy``, ``val/greedy_accuracy``, evaluation's ``accuracy``,
+    ``greedy_accuracy`` and ``accuracy_<group>``); None = the first of ``functions``. Without functions there are no
+    accuracy metrics."""
+    reward_model_attribute_weights: list[float] | None = None
+    """The weights of a multi-attribute (regression) reward model's A outputs: its score is Σ_a w_a x r_a (one weight
+    per output, in the model's attribute order: the sorted label names of its training data). None = a one-output
+    model's single score; a model with A > 1 outputs and no weights is refused when the job loads it."""
+
+    def validate(self, where: str = "reward") -> None:
+        names = [f.name for f in self.functions]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ConfigError(f"{where}.functions[{i}].name={name!r} is listed twice (give it one weight)")
+        if self.accuracy_function is not None and self.accuracy_function not in names:
+            raise ConfigError(f"{where}.accuracy_function={self.accuracy_function!r} is not one of the names in "
+                              f"{where}.functions: {names}")
+        if self.reward_model_attribute_weights is not None and not self.reward_model_attribute_weights:
+            raise ConfigError(f"{where}.reward_model_attribute_weights is empty (null = a one-output reward model)")
+
+
+@dataclass
+class RewardConfig(ScoringConfig):
+    """How a rollout's sequence-level score is made (PPO, REINFORCE): ``reward_model_weight`` x the reward model's
+    score + Σ_i ``functions[i].weight`` x function_i(prompt, response, record) - ``missing_eos_penalty`` x (no EOS)."""
 
     reward_model_weight: float = 1.0
-    """Weight of the reward model's score (needs a reward model; 0 = not used)."""
-    checker_weight: float = 0.0
-    """Weight of the verifiable reward: 1 when ``checker`` accepts the response, else 0."""
-    checker: str = "align_pipeline.data.demo_task:check"
-    """``module:function(prompt, response, answer) -> bool``, the verifiable reward."""
+    """Weight of the reward model's score (its attributes combined by ``reward_model_attribute_weights``; needs a
+    reward model; 0 = not used)."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of a response that stopped at ``max_new_tokens`` without EOS."""
 
     def validate(self, where: str = "reward") -> None:
-        if self.reward_model_weight == 0 and self.checker_weight == 0:
-            raise ConfigError(f"{where}: reward_model_weight and checker_weight are both 0 (no reward)")
+        super().validate(where)
+        if self.reward_model_weight == 0 and not any(f.weight for f in self.functions):
+            raise ConfigError(f"{where}: no reward: reward_model_weight is 0 and no entry of {where}.functions has a "
+                              "non-zero weight")
 
 
 @dataclass

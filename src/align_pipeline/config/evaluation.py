@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from align_pipeline.config.base import require_at_least
-from align_pipeline.config.common import GenerationConfig, ParallelConfig
+from align_pipeline.config.checks import check_reward_model
+from align_pipeline.config.common import GenerationConfig, ParallelConfig, ScoringConfig
 
 
 @dataclass
@@ -17,8 +18,15 @@ class EvaluationConfig:
     """Sampling of the responses that are scored."""
     greedy: bool = True
     """Also report greedy-decoding accuracy."""
-    checker: str = "align_pipeline.data.demo_task:check"
-    """``module:function(prompt, response, answer) -> bool``, the verifiable reward."""
+    reward: ScoringConfig = field(default_factory=ScoringConfig)
+    """The reward functions (the same list as the RL stages' ``reward.functions``: per policy, ``function_reward`` =
+    the mean of their weighted sum, and ``reward_<function>`` per function when there are several), the accuracy
+    function (``accuracy``, ``greedy_accuracy``; none without functions) and the reward model's attribute weights
+    (``reward_model_score`` and the RM accuracy on held-out pairs)."""
+    group_by: str | None = None
+    """A prompt-record field (e.g. ``category``) whose values split ``accuracy`` and ``reward_model_score`` into
+    ``accuracy_<value>`` / ``reward_model_score_<value>``; records without it form the group ``ungrouped``, and when
+    no record has it there is no breakdown (the job logs that). None = the overall numbers only."""
     micro_batch_size: int = 64
     """Rows per scoring forward."""
     runs_dir: str = "data/06_models/_runs"
@@ -64,3 +72,6 @@ class EvaluationJob:
     """Policies, reference, reward model, held-out data, output directory."""
     lineage: dict[str, Any] = field(default_factory=dict)
     """Recorded into the report's meta.json."""
+
+    def validate(self, where: str = "EvaluationJob") -> None:
+        check_reward_model(self.evaluation.reward, self.paths.reward_model, f"{where}.evaluation.reward")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from align_pipeline.config.base import ConfigError
-from align_pipeline.config.checks import check_stage_parallel
+from align_pipeline.config.checks import check_reward_model, check_stage_parallel
 from align_pipeline.config.common import (
     GenerationConfig,
     KLConfig,
@@ -28,7 +28,7 @@ class RLConfig(StageRunConfig):
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     """Rollout sampling (temperature, max new tokens, samples per prompt)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
-    """The sequence score: reward model and/or verifiable checker."""
+    """The sequence score: the reward model and/or weighted reward functions; the accuracy function."""
     kl: KLConfig = field(default_factory=KLConfig)
     """The KL-to-reference term and its coefficient ``beta``."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -43,4 +43,6 @@ def check_rl_job(stage: str, section: RLConfig, parallel: ParallelConfig, paths:
     if section.reward.reward_model_weight and paths.reward_model is None:
         raise ConfigError(f"{where}: reward.reward_model_weight is {section.reward.reward_model_weight} but no "
                           "reward model is given (paths.reward_model)")
+    if section.reward.reward_model_weight:
+        check_reward_model(section.reward, paths.reward_model, f"{where}.{stage}.reward")
     check_stage_parallel(stage, parallel, f"{where}.parallel")

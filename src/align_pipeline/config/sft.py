@@ -18,6 +18,10 @@ class SFTConfig(StageRunConfig):
 
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """The optimisation loop."""
+    packing: bool = False
+    """Pack several samples into each row of ``model.seq_length`` tokens, each attending only to itself (positions
+    restart per sample); ``training.global_batch_size`` / ``micro_batch_size`` then count packed rows. Validation
+    stays padded (the loss is the same). Needs pipeline_model_parallel_size 1."""
 
 
 @dataclass(kw_only=True)

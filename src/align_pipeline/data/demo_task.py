@@ -199,6 +199,7 @@ def make_demo_datasets(
     Deterministic for a given seed. Held-out prompts (``prompts``) are drawn first and never occur in the SFT or
     preference data. Reversal prompts are distinct across all three files; addition prompts are distinct within a
     file until the (small) no-carry space runs out, after which SFT repeats some, and SFT and preference share some.
+    A held-out prompt carries its task as ``category`` (``reverse`` / ``add``: evaluation's ``group_by``).
     """
     rng = random.Random(seed)
     source = _PromptSource(rng, add_fraction, carries)
@@ -223,7 +224,7 @@ def make_demo_datasets(
             rec["rejected_reward"] = 0.0
         preference.append(rec)
 
-    prompts = [{"prompt": p, "answer": answer_for(p)} for p in held_out]
+    prompts = [{"prompt": p, "answer": answer_for(p), "category": task_kind(p)} for p in held_out]
     return {"sft": sft, "preference": preference, "prompts": prompts}
 
 

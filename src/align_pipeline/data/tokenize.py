@@ -9,16 +9,20 @@ Sequence conventions (S = ``model.seq_length``; right-padded with ``pad_id``):
   tokens are the assistant turns, each with its end-of-turn marker. Prompts are rendered with the generation prompt.
 * A sample longer than S is refused, truncated or dropped per ``data_prep.overlong`` (:class:`Overlong`).
 
+Sequence arrays are stored ragged, without padding (:mod:`.store`: ``{p}tokens``, ``{p}response``, ``{p}offsets``)
+and read back as padded rows per batch, or packed:
+
 * ``input_ids``  int64   [N, S]  the sample's tokens, then ``pad_id``.
 * ``labels``     int64   [N, S]  ``labels[:, t] = input_ids[:, t + 1]`` (already shifted); ``pad_id`` past the end.
 * ``loss_mask``  float32 [N, S]  1 exactly where ``labels[:, t]`` is a response token (or the ``<eos>`` / end-of-turn
   ending a response); 0 on prompt tokens and padding.
 
-Artifacts (see :mod:`.formats` for the sidecar):
+Artifacts (see :mod:`.formats` for the sidecar, which also records ``seq_length`` and ``pad_id``):
 
-* SFT ``.npz``: ``input_ids``, ``labels``, ``loss_mask``.
-* Preference ``.npz``: ``chosen_input_ids``, ``chosen_labels``, ``chosen_loss_mask``, ``rejected_input_ids``,
-  ``rejected_labels``, ``rejected_loss_mask`` (as above), ``chosen_reward``, ``rejected_reward`` float32 [N]
+* SFT ``.npz``: one ragged group (prefix ``""``).
+* Regression ``.npz``: one ragged group + ``reward_labels`` float32 [N, A] (NaN = missing), attribute names in the
+  sidecar.
+* Preference ``.npz``: groups ``chosen_`` and ``rejected_``, ``chosen_reward``, ``rejected_reward`` float32 [N]
   (NaN where the raw line has none).
 * Prompts ``.jsonl``: every field of the raw record, ``"answer"`` (null when absent) and ``"prompt_ids": [int]``:
   the prompt's tokens (``start`` + prompt, or its chat rendering with the generation prompt), unpadded. A prompt must
@@ -43,6 +47,7 @@ from align_pipeline.config.base import ConfigError
 from .chat import ChatTemplate, ChatTemplateError, prompt_messages, sft_messages
 from .formats import ArrayBundle, RecordBundle
 from .schemas import RawData, sft_prompt_text, sft_segments
+from .store import ragged, select
 from .tokenizer import TextTokenizer, TokenizerConfig
 
 SPLITS = ("train", "val")
@@ -187,22 +192,6 @@ def encode_prompt_response(tok: TextTokenizer, prompt: str, response: str) -> Sa
     return Renderer(tok).prompt_response(prompt, response)
 
 
-def pack(samples: list[Sample], seq_length: int, pad_id: int) -> dict[str, np.ndarray]:
-    """Right-pad samples to ``seq_length`` and build shifted labels and the response loss mask."""
-    n = len(samples)
-    input_ids = np.full((n, seq_length), pad_id, dtype=np.int64)  # [N, S]
-    labels = np.full((n, seq_length), pad_id, dtype=np.int64)  # [N, S]
-    loss_mask = np.zeros((n, seq_length), dtype=np.float32)  # [N, S]
-    for i, (ids, is_response) in enumerate(samples):
-        L = len(ids)
-        if L > seq_length:
-            raise ValueError(f"sample {i} has {L} tokens > seq_length {seq_length}")  # checked earlier
-        input_ids[i, :L] = ids
-        labels[i, : L - 1] = ids[1:]
-        loss_mask[i, : L - 1] = is_response[1:]
-    return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask}
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Samples longer than seq_length
 # ---------------------------------------------------------------------------------------------------------------
@@ -221,9 +210,13 @@ class Overlong:
         self.char_budget = seq_length * tok.max_token_chars
         self.truncated: list[int] = []
         self.dropped: list[int] = []
+        self._chars = 0
 
-    def too_many_chars(self, texts: list[str]) -> bool:
-        return sum(len(t) for t in texts) > self.char_budget
+    def too_many_chars(self, texts: list[str]) -> int:
+        """The texts' characters when they are more than any sample of seq_length tokens can hold, else 0."""
+        n = sum(len(t) for t in texts)
+        self._chars = n
+        return n if n > self.char_budget else 0
 
     def clip(self, texts: list[str]) -> list[str]:
         """The texts cut to ``(seq_length + 1) x longest-token`` characters in all (enough for any cut at
@@ -241,9 +234,10 @@ class Overlong:
         if sample is not None and len(sample[0]) <= self.seq_length:
             return sample
         if self.policy == "error":
-            tokens = f"{len(sample[0])} tokens" if sample is not None else f"more than {self.char_budget} characters"
+            size = (f"{len(sample[0])} tokens" if sample is not None else
+                    f"{self._chars} characters (more than {self.char_budget}, so more than {self.seq_length} tokens)")
             raise self.raw.error(
-                i, field, f"{what} is {tokens}, longer than model.seq_length = {self.seq_length} "
+                i, field, f"{what} is {size}, longer than model.seq_length = {self.seq_length} "
                 f"(data_prep.overlong.{self.raw.kind}: truncate or drop to keep going)"
             )
         if self.policy == "truncate" and sample is not None:
@@ -371,8 +365,7 @@ def encode_preference(raw: RawData, render: Renderer, seq_length: int, over: Ove
     over.truncated = sorted(set(over.truncated) - set(over.dropped))
     arrays: dict[str, np.ndarray] = {}
     for side, samples in sides.items():
-        for k, v in pack(samples, seq_length, render.tok.pad_id).items():
-            arrays[f"{side}_{k}"] = v
+        arrays.update(ragged(samples, prefix=f"{side}_"))
         arrays[f"{side}_reward"] = np.array(
             [float(raw.records[i].get(f"{side}_reward", np.nan)) for i in kept], dtype=np.float32
         )  # [N]
@@ -440,7 +433,7 @@ def _require_some(raw: RawData, kept: list[int], over: Overlong) -> None:
 def _arrays_encoded(raw: RawData, kept: list[int], keys: list[str], samples: list[Sample], seq_length: int,
                     tok: TextTokenizer, over: Overlong) -> Encoded:
     _require_some(raw, kept, over)
-    return Encoded(keys=keys, arrays=pack(samples, seq_length, tok.pad_id), max_tokens=max(len(s[0]) for s in samples),
+    return Encoded(keys=keys, arrays=ragged(samples), max_tokens=max(len(s[0]) for s in samples),
                    overlong=over.metrics())
 
 
@@ -476,6 +469,7 @@ def split_encoded(
             "seq_length": seq_length,
             "max_tokens": enc.max_tokens,
             "tokenizer_fingerprint": tok.fingerprint,
+            "pad_id": tok.pad_id,
             "source": raw.source,
             "source_sha256": raw.sha256,
             "val_fraction": val_fraction,
@@ -485,7 +479,7 @@ def split_encoded(
             meta["attributes"] = enc.attributes
         if enc.arrays is not None:
             ix = np.asarray(idx, dtype=np.int64)
-            out[split] = ArrayBundle(arrays={k: v[ix] for k, v in enc.arrays.items()}, meta=meta)
+            out[split] = ArrayBundle(arrays=select(enc.arrays, ix), meta=meta)
         else:
             assert enc.records is not None
             out[split] = RecordBundle(records=[enc.records[i] for i in idx], meta=meta)
@@ -498,7 +492,6 @@ __all__ = [
     "encode",
     "encode_prompt_response",
     "encode_segments",
-    "pack",
     "split_encoded",
     "split_indices",
 ]

@@ -5,6 +5,10 @@ the [b, heads, sq, sk] score matrix with ``baddbmm`` and a separate softmax, whi
 of a fused kernel on an H200. :class:`SDPAttention` keeps Megatron's ``DotProductAttention`` interface (constructor,
 sharded state dict, tensor-parallel head split) and replaces only ``forward`` with PyTorch's SDPA, which dispatches to
 FlashAttention / memory-efficient kernels on GPU and a fused kernel on CPU.
+
+Packed sequences (Megatron's ``packed_seq_params``, "thd": the samples of a micro-batch concatenated) attend within
+their segment only: on GPU through FlexAttention with a block mask (no Transformer Engine needed), elsewhere through
+SDPA with the block-diagonal causal mask. With Transformer Engine's spec, TE's own packed attention does this.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ class SDPAttention(DotProductAttention):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        assert packed_seq_params is None, "SDPAttention does not support packed sequences; use Transformer Engine."
         assert attention_bias is None, "SDPAttention does not support an attention bias."
         if self.softmax_offset is not None:
             raise NotImplementedError("SDPAttention supports softmax_type='vanilla' only")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, np_, hn = query.shape
         sk = key.shape[0]
@@ -79,6 +84,68 @@ class SDPAttention(DotProductAttention):
             )
         # [b, np, sq, hn] -> [sq, b, np*hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
+        """Packed ("thd") sequences: query [t, np, hn], key/value [t, ng, hn] -> context [t, np*hn], each segment of
+        ``params.cu_seqlens_q`` attending causally to itself only (no dropout)."""
+        if params.qkv_format != "thd" or not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+            raise NotImplementedError("SDPAttention packs self-attention in the thd format only")
+        t, np_, hn = query.shape
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # [1, h, t, hn]
+        segment = segment_ids(params.cu_seqlens_q, t)  # [t]
+        if query.is_cuda and flex_attention_available():
+            block_mask = getattr(params, "_align_block_mask", None)  # one per forward, shared by every layer
+            if block_mask is None:
+                block_mask = _segment_block_mask(segment)
+                params._align_block_mask = block_mask
+            context = _flex(q, k, v, block_mask=block_mask, scale=self.softmax_scale, enable_gqa=groups > 1)
+        else:
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            keep = (segment[:, None] == segment[None, :]) & _causal_keep_mask(t, t, q.device)  # [t, t]
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=self.softmax_scale)
+        return context.squeeze(0).permute(1, 0, 2).reshape(t, np_ * hn)  # [t, np*hn]
+
+
+def segment_ids(cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:
+    """[t] the segment of every token: ``cu_seqlens`` [k + 1] (starts, then t) -> 0..k-1."""
+    starts = torch.zeros(t, dtype=torch.int32, device=cu_seqlens.device)
+    starts[cu_seqlens[1:-1].long()] = 1
+    return starts.cumsum(0)
+
+
+def flex_attention_available() -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_FLEX = None
+
+
+def _flex(q, k, v, **kwargs) -> torch.Tensor:
+    """FlexAttention, compiled once per shape (blocks the mask leaves empty are skipped)."""
+    global _FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX(q, k, v, **kwargs)
+
+
+def _segment_block_mask(segment: torch.Tensor):
+    """The block mask of causal attention within segments: packed samples cost about what they would alone."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_segment_causal(b, h, q_idx, kv_idx):
+        return (segment[q_idx] == segment[kv_idx]) & (kv_idx <= q_idx)
+
+    t = segment.shape[0]
+    return create_block_mask(same_segment_causal, None, None, t, t, device=segment.device)
 
 
 def _causal_keep_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:

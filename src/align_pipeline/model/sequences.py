@@ -19,9 +19,20 @@ def position_ids(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
 
 
-def run(module, input_ids: torch.Tensor) -> torch.Tensor:
+def run(module, input_ids: torch.Tensor, batch: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """The model's output for [b, s] token ids: this rank's vocab shard of the logits [b, s, V/tp] (LM head) or the
-    values [b, s, k] (value head); only meaningful on the last pipeline stage."""
+    values [b, s, k] (value head); only meaningful on the last pipeline stage.
+
+    A packed micro-batch (``batch`` from :func:`align_pipeline.data.packing.packed_microbatch`: [1, T] ids with
+    ``cu_seqlens``, ``position_ids``) goes through Megatron's thd path: RoPE restarts at every sample and attention
+    stays within each sample."""
+    if batch is not None and "cu_seqlens" in batch:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu, longest = batch["cu_seqlens"], int(batch["max_seqlen"][0])
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                 max_seqlen_kv=longest)
+        return module(input_ids, batch["position_ids"], None, packed_seq_params=params)
     return module(input_ids, position_ids(input_ids), None)
 
 
@@ -105,8 +116,22 @@ def pair_logps_forward(vocab_size: int, tp_rank: int):
     return forward
 
 
-def rewards_forward(pooling: str):
-    """Sequence rewards of a value-head model: [b, 1] for rows, [b, 2] (chosen, rejected) for preference pairs."""
+def attribute_rewards(values: torch.Tensor, loss_mask: torch.Tensor, pooling: str,
+                      weights: list[float] | None) -> torch.Tensor:
+    """values [n, s, A] -> rewards [n]: output 0's sequence reward (``weights`` None: a one-output model), or
+    Σ_a w_a x r_a over the A outputs of a multi-attribute model (one weight per output)."""
+    if weights is None:
+        return sequence_rewards(values, loss_mask, pooling)
+    if len(weights) != values.shape[-1]:
+        raise ValueError(f"{len(weights)} attribute weights for a reward model with {values.shape[-1]} outputs")
+    per_attr = torch.stack([sequence_rewards(values[..., a : a + 1], loss_mask, pooling)
+                            for a in range(values.shape[-1])], dim=-1)  # [n, A]
+    return (per_attr * torch.tensor(weights, dtype=per_attr.dtype, device=per_attr.device)).sum(-1)  # [n]
+
+
+def rewards_forward(pooling: str, attribute_weights: list[float] | None = None):
+    """Sequence rewards of a value-head model: [b, 1] for rows, [b, 2] (chosen, rejected) for preference pairs; a
+    multi-attribute model's outputs combined with ``attribute_weights`` (:func:`attribute_rewards`)."""
 
     def forward(module, batch):
         pairs = "chosen_input_ids" in batch
@@ -114,10 +139,10 @@ def rewards_forward(pooling: str):
             ids, _, mask = pair_batch(batch)  # [2b, s]
         else:
             ids, mask = batch["input_ids"], batch["loss_mask"]  # [b, s]
-        values = run(module, ids)
+        values = run(module, ids)  # [rows, s, A]
 
         def stats(values):
-            r = sequence_rewards(values, mask, pooling)  # [rows]
+            r = attribute_rewards(values, mask, pooling, attribute_weights)  # [rows]
             return torch.stack(r.chunk(2), dim=-1) if pairs else r.unsqueeze(-1)
 
         return values, stats

@@ -88,7 +88,6 @@ def main(job: DPOJob) -> dict:
     loss_name = "loss" if lc.sft_weight else f"{lc.name}_loss"
     metric_names = [f"{lc.name}_loss", "accuracy", "rewards_chosen", "rewards_rejected", "rewards_margin",
                     "logps_chosen", "logps_rejected"] + (["sft_loss", "loss"] if lc.sft_weight else [])
-    tokens_per_step = cfg.global_batch_size * seq_length * train.rows_per_sample
     ckpts = Checkpoints.for_training({"model": (policy, paths.run_dir)}, cfg, job, "dpo", dist)
     step, runlog, metrics = supervised.start("dpo", job, ckpts, cfg, dist, logger)
 
@@ -96,8 +95,8 @@ def main(job: DPOJob) -> dict:
     while step < cfg.train_steps:
         t0 = time.perf_counter()
         m = train_step(policy, train.microbatches(step), loss, metric_names, dist, seq_length)
+        metrics = supervised.step_metrics(m, loss_name, t0, runlog, train.real_tokens(step))
         step += 1
-        metrics = supervised.step_metrics(m, loss_name, t0, runlog, tokens_per_step)
         if supervised.eval_due(step, cfg):
             metrics.update(evaluate_loss(policy.model, val, loss, metric_names, loss_name, cfg.eval_samples, dist,
                                          seq_length))
@@ -106,7 +105,7 @@ def main(job: DPOJob) -> dict:
             return runlog.stopped(step, paths.run_dir, ckpts.started_at)
 
     final = evaluate_loss(policy.model, val, loss, metric_names, loss_name, cfg.eval_samples, dist, seq_length)
-    return supervised.finish("dpo", job, ckpts, runlog, step, cfg, tok, final, metrics, tokens_per_step, meta={
+    return supervised.finish("dpo", job, ckpts, runlog, step, cfg, tok, final, metrics, train.real_tokens(step - 1), meta={
         "preference_loss": {"name": lc.name, "beta": lc.beta, "sft_weight": lc.sft_weight, **lc.options}})
 
 

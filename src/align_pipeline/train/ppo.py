@@ -6,7 +6,8 @@ Each iteration (Ouyang et al. 2022 / Ziegler et al. 2019, as NeMo-Aligner and TR
 
 1. **Rollout.** This DP rank's prompts of the iteration (:class:`~align_pipeline.train.core.batches.PromptStream`)
    are continued by the actor with the KV-cached generator (``generation``: temperature, max new tokens, ...).
-2. **Score.** Sequence score = ``reward_model_weight`` x reward model + ``checker_weight`` x verifiable checker
+2. **Score.** Sequence score = ``reward_model_weight`` x reward model (a multi-attribute model's outputs combined by
+   ``reward_model_attribute_weights``) + Σ weight x reward function (``reward.functions``, :mod:`align_pipeline.rewards`)
    (- ``missing_eos_penalty``). Forward passes give the actor's (old) and the reference's per-token log-probs and the
    critic's values.
 3. **Advantages.** Per-token KL penalty against the reference (``kl.estimator``, coefficient ``kl.beta`` from the
@@ -41,6 +42,7 @@ from align_pipeline.model import init
 from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.logprobs import token_entropy, token_nll
 from align_pipeline.model.sequences import run
+from align_pipeline.rewards import RewardFunctions
 from align_pipeline.rl import (
     AdaptiveKLController,
     FixedKLController,
@@ -132,9 +134,10 @@ def main(job: PPOJob) -> dict:
     warmup = cfg.critic_warmup_iterations  # the actor waits while the critic learns this reward's returns
     actor = build_trainable(source, job.parallel, cfg.optimizer, (rl.iterations - warmup) * rl.steps_per_iteration,
                             dist)
-    reference, rm, pooling = rollout.load_judges(paths, cfg.reward, job.model.attention_backend, job.parallel, dist)
-    prompts, val_records = rollout.load_prompts(paths, rl, dist)
-    checker = rollout.load_checker(cfg.reward.checker)
+    reward_fns = RewardFunctions.load(cfg.reward, "ppo.reward")
+    reference, rm, rm_forward = rollout.load_judges(paths, cfg.reward, job.model.attention_backend, job.parallel, dist,
+                                                    "ppo.reward")
+    prompts, val_records = rollout.load_prompts(paths, rl, dist, reward_fns)
     critic_source = init.resolve(paths.critic or paths.reward_model, job.model, tok.vocab_size)
     critic = build_trainable(critic_source, job.parallel, cfg.critic_optimizer, total_steps, dist, head="value")
     vocab, seq_length = source.vocab_size, source.model.seq_length
@@ -159,7 +162,7 @@ def main(job: PPOJob) -> dict:
         # 2. score, and the per-token forward passes of actor, reference and critic
         with timings("timing/score_s"):
             offload.frozen_to(dist.device)
-            scores = rollout.score(r, cfg.reward, checker, rm, pooling, mbs, dist)
+            scores = rollout.score(r, cfg.reward, reward_fns, rm, rm_forward, mbs, dist)
             old_logp = rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist)  # [n, s]
             ref_logp = rollout.token_logprobs(reference, r.rows, vocab, mbs, dist)  # [n, s]
             values = rollout.token_values(critic.model, r.rows, mbs, dist)  # [n, s]
@@ -170,7 +173,7 @@ def main(job: PPOJob) -> dict:
         kl, advantages, returns, raw = advantages_and_returns(cfg, scores.total, old_logp, ref_logp, values, mask,
                                                               beta, dist)
         seq_kl = kl.sum(-1)  # [n]
-        stats = rollout.rollout_stats(r, scores, dist)
+        stats = rollout.rollout_stats(r, scores, reward_fns, dist)
         stats.add("rollout/rewards_with_kl", scores.total - beta * seq_kl, std=False)
         stats.add("rollout/init_policy_kl", seq_kl, std=False)
         stats.add("rollout/advantages", raw, mask)
@@ -201,7 +204,8 @@ def main(job: PPOJob) -> dict:
         m.update(rollout.throughput(r, timings, trained_rows=trained_rows, seq_length=seq_length, dist=dist))
         m["timing/iteration_s"] = time.perf_counter() - t0
         if rl.eval_interval and iteration % rl.eval_interval == 0 and iteration < rl.iterations:
-            m.update(rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, checker))
+            m.update(rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length,
+                                                 reward_fns))
         runlog.record(iteration, m, {"iteration": iteration, **m}, force="val/greedy_accuracy" in m)
         train_state = {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration),
                        "kl_controller": kl_ctl.state_dict()}
@@ -209,7 +213,7 @@ def main(job: PPOJob) -> dict:
             return runlog.stopped(iteration, run_dir, ckpts.started_at)
 
     # ---- final validation, checkpoint and export of actor and critic ----
-    final = rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, checker)
+    final = rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, reward_fns)
     logger.log_metrics(final, iteration)
     log(dist, "[ppo] done: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
     ckpts.save(iteration, {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration),

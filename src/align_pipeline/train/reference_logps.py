@@ -15,6 +15,7 @@ import numpy as np
 
 from align_pipeline.config import ModelConfig, ReferenceLogpsJob
 from align_pipeline.data.formats import atomic_open
+from align_pipeline.data.store import load_sequences
 from align_pipeline.model import init
 from align_pipeline.model.sequences import pair_logps_forward
 from align_pipeline.train.core.cli import cli
@@ -31,7 +32,7 @@ def main(job: ReferenceLogpsJob) -> dict:
     forward = pair_logps_forward(source.vocab_size, dist.tp_rank)
     out: dict[str, np.ndarray] = {}
     for split, path in job.data.items():
-        v = per_sample(reference, dict(np.load(path)), forward, job.micro_batch_size, dist)  # [n, 4]
+        v = per_sample(reference, load_sequences(path), forward, job.micro_batch_size, dist)  # [n, 4]
         out.update({f"{split}_chosen_logps": v[:, 0], f"{split}_rejected_logps": v[:, 1],
                     f"{split}_chosen_tokens": v[:, 2], f"{split}_rejected_tokens": v[:, 3]})
         log(dist, f"[reference_logps] {split}: {len(v)} pairs, mean chosen {v[:, 0].mean():.3f}, "

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 -m align_pipeline.train.reinforce --config run/config.json
 
 Each iteration, in :func:`main`'s loop: ``generation.samples_per_prompt`` (n >= 2) responses per prompt from the
-policy, each scored by the verifiable checker and/or the reward model (``reward``); the n scores of a prompt give every
-sample one advantage, either leave-one-out (RLOO, Ahmadian et al. 2024) or group-normalised (GRPO, Shao et al. 2024),
+policy, each scored by the weighted reward functions and/or the reward model (``reward``); the n scores of a prompt
+give every sample one advantage, either leave-one-out (RLOO, Ahmadian et al. 2024) or group-normalised (GRPO, Shao et al. 2024),
 shared by all its tokens. The policy then takes ``epochs x minibatches`` optimizer steps on
 :func:`~align_pipeline.losses.reinforce.reinforce_loss`: plain ``-A log pi`` when the rollout is used for a single
 step, PPO's clipped ratio against the rollout policy otherwise, plus ``kl.beta`` x KL to the frozen reference
@@ -26,6 +26,7 @@ from align_pipeline.losses.reinforce import reinforce_loss
 from align_pipeline.model import init
 from align_pipeline.model.logprobs import token_nll
 from align_pipeline.model.sequences import run
+from align_pipeline.rewards import RewardFunctions
 from align_pipeline.rl import grpo_advantages, kl_penalty, rloo_advantages
 from align_pipeline.tracking import RunLogger
 from align_pipeline.train.core import rollout
@@ -74,9 +75,10 @@ def main(job: ReinforceJob) -> dict:
     log(dist, f"[reinforce] {dist.describe()} policy={paths.policy} reward_model={paths.reward_model}")
     total_steps = rl.iterations * rl.steps_per_iteration
     actor = build_trainable(source, job.parallel, cfg.optimizer, total_steps, dist)
-    reference, rm, pooling = rollout.load_judges(paths, cfg.reward, job.model.attention_backend, job.parallel, dist)
-    prompts, val_records = rollout.load_prompts(paths, rl, dist)
-    checker = rollout.load_checker(cfg.reward.checker)
+    reward_fns = RewardFunctions.load(cfg.reward, "reinforce.reward")
+    reference, rm, rm_forward = rollout.load_judges(paths, cfg.reward, job.model.attention_backend, job.parallel, dist,
+                                                    "reinforce.reward")
+    prompts, val_records = rollout.load_prompts(paths, rl, dist, reward_fns)
     vocab, seq_length = source.vocab_size, source.model.seq_length
     clipped = rl.steps_per_iteration > 1  # the rollout policy differs from the policy after the first step
     metric_names = ["pg_loss", "kl"] + (["clip_fraction", "ratio"] if clipped else [])
@@ -97,7 +99,7 @@ def main(job: ReinforceJob) -> dict:
         # 2. score, and the per-token log-probs of the rollout policy and the reference
         with timings("timing/score_s"):
             offload.frozen_to(dist.device)
-            scores = rollout.score(r, cfg.reward, checker, rm, pooling, mbs, dist)
+            scores = rollout.score(r, cfg.reward, reward_fns, rm, rm_forward, mbs, dist)
             old_logp = rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist)  # [n, s]
             ref_logp = rollout.token_logprobs(reference, r.rows, vocab, mbs, dist)  # [n, s]
             offload.frozen_to("cpu")
@@ -106,7 +108,7 @@ def main(job: ReinforceJob) -> dict:
         mask = r.rows["loss_mask"]
         advantages = group_advantages(cfg, scores.total)  # [n]
         groups = scores.total.view(-1, gen.samples_per_prompt)  # [P, n]
-        stats = rollout.rollout_stats(r, scores, dist)
+        stats = rollout.rollout_stats(r, scores, reward_fns, dist)
         stats.add("rollout/init_policy_kl", (kl_penalty(old_logp, ref_logp, "k1") * mask).sum(-1), std=False)
         stats.add("rollout/advantages", advantages)
         stats.add("rollout/fraction_of_groups_without_signal", (groups == groups[:, :1]).all(dim=1).double(),
@@ -127,14 +129,15 @@ def main(job: ReinforceJob) -> dict:
         m.update(rollout.throughput(r, timings, trained_rows=rl.epochs * r.n, seq_length=seq_length, dist=dist))
         m["timing/iteration_s"] = time.perf_counter() - t0
         if rl.eval_interval and iteration % rl.eval_interval == 0 and iteration < rl.iterations:
-            m.update(rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, checker))
+            m.update(rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length,
+                                                 reward_fns))
         runlog.record(iteration, m, {"iteration": iteration, **m}, force="val/greedy_accuracy" in m)
         train_state = {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration)}
         if ckpts.after_step(iteration, train_state):
             return runlog.stopped(iteration, run_dir, ckpts.started_at)
 
     # ---- final validation, checkpoint and export of the policy ----
-    final = rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, checker)
+    final = rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, reward_fns)
     logger.log_metrics(final, iteration)
     log(dist, "[reinforce] done: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
     ckpts.save(iteration, {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration)})

@@ -94,7 +94,6 @@ def main(job: RewardModelJob) -> dict:
                             num_outputs=num_outputs)
     train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist)
     seq_length = source.model.seq_length
-    tokens_per_step = cfg.global_batch_size * seq_length * train.rows_per_sample
     ckpts = Checkpoints.for_training({"model": (model, paths.run_dir)}, cfg, job, "reward_model", dist)
     step, runlog, metrics = supervised.start("reward_model", job, ckpts, cfg, dist, logger)
 
@@ -102,8 +101,8 @@ def main(job: RewardModelJob) -> dict:
     while step < cfg.train_steps:
         t0 = time.perf_counter()
         m = train_step(model, train.microbatches(step), loss, metric_names, dist, seq_length)
+        metrics = supervised.step_metrics(m, "rm_loss", t0, runlog, train.real_tokens(step))
         step += 1
-        metrics = supervised.step_metrics(m, "rm_loss", t0, runlog, tokens_per_step)
         if supervised.eval_due(step, cfg):
             metrics.update(evaluate_loss(model.model, val, loss, metric_names, "rm_loss", cfg.eval_samples, dist,
                                          seq_length))
@@ -112,7 +111,7 @@ def main(job: RewardModelJob) -> dict:
             return runlog.stopped(step, paths.run_dir, ckpts.started_at)
 
     final = evaluate_loss(model.model, val, loss, metric_names, "rm_loss", cfg.eval_samples, dist, seq_length)
-    return supervised.finish("reward_model", job, ckpts, runlog, step, cfg, tok, final, metrics, tokens_per_step,
+    return supervised.finish("reward_model", job, ckpts, runlog, step, cfg, tok, final, metrics, train.real_tokens(step - 1),
                              meta={"reward_head": {"pooling": section.pooling, "loss": section.loss}})
 
 

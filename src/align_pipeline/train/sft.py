@@ -36,7 +36,7 @@ def sft_loss(vocab_size: int, tp_rank: int):
     """(module, batch) -> (logits, loss_fn): masked token NLL of input_ids/labels/loss_mask [b, s]."""
 
     def forward_loss(module, batch):
-        logits = run(module, batch["input_ids"])  # [b, s, V/tp] on the last stage
+        logits = run(module, batch["input_ids"], batch)  # [b, s, V/tp] on the last stage ([1, T, V/tp] packed)
 
         def loss_fn(logits):
             return masked_token_loss(token_nll(logits, batch["labels"], vocab_size, tp_rank), batch["loss_mask"])
@@ -56,9 +56,8 @@ def main(job: SFTJob) -> dict:
     check_job("sft", job.sft, job.parallel, dist.world_size, source.model, paths.init_from, source.parent["kind"])
     log(dist, f"[sft] {dist.describe()} init={source.parent['kind']}:{paths.init_from}")
     policy = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist)
-    train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist)
+    train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist, packing=job.sft.packing)
     loss, seq_length = sft_loss(source.vocab_size, dist.tp_rank), source.model.seq_length
-    tokens_per_step = cfg.global_batch_size * seq_length * train.rows_per_sample
     ckpts = Checkpoints.for_training({"model": (policy, paths.run_dir)}, cfg, job, "sft", dist)
     step, runlog, metrics = supervised.start("sft", job, ckpts, cfg, dist, logger)
 
@@ -66,8 +65,8 @@ def main(job: SFTJob) -> dict:
     while step < cfg.train_steps:
         t0 = time.perf_counter()
         m = train_step(policy, train.microbatches(step), loss, METRICS, dist, seq_length)
+        metrics = supervised.step_metrics(m, "lm_loss", t0, runlog, train.real_tokens(step))
         step += 1
-        metrics = supervised.step_metrics(m, "lm_loss", t0, runlog, tokens_per_step)
         if supervised.eval_due(step, cfg):
             metrics.update(evaluate_loss(policy.model, val, loss, METRICS, "lm_loss", cfg.eval_samples, dist,
                                          seq_length))
@@ -76,7 +75,7 @@ def main(job: SFTJob) -> dict:
             return runlog.stopped(step, paths.run_dir, ckpts.started_at)
 
     final = evaluate_loss(policy.model, val, loss, METRICS, "lm_loss", cfg.eval_samples, dist, seq_length)
-    return supervised.finish("sft", job, ckpts, runlog, step, cfg, tok, final, metrics, tokens_per_step)
+    return supervised.finish("sft", job, ckpts, runlog, step, cfg, tok, final, metrics, train.real_tokens(step - 1))
 
 
 if __name__ == "__main__":  # torchrun runs the module; importing it (tests, spawned helpers) runs nothing

@@ -8,6 +8,7 @@ land together or not at all (:mod:`align_pipeline.data_prep_hook`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from align_pipeline.config import ModelConfig, from_dict
@@ -15,17 +16,24 @@ from align_pipeline.data.dubious import find_dubious, handle_dubious
 from align_pipeline.data.formats import ArrayBundle, Artifact, RecordBundle
 from align_pipeline.data.schemas import RawData, read_raw_jsonl, record_texts
 from align_pipeline.data.tokenize import DataPrepConfig, encode, split_encoded
-from align_pipeline.data.tokenizer import TextTokenizer, build_tokenizer
+from align_pipeline.data.tokenizer import TextTokenizer, build_tokenizer, load_tokenizer
+from align_pipeline.rewards import check_prompts
 
 
 def validate_raw_data(
-    raw_sft: Artifact, raw_preference: Artifact, raw_prompts: Artifact, params: dict[str, Any]
+    raw_sft: Artifact, raw_preference: Artifact, raw_prompts: Artifact, params: dict[str, Any],
+    ppo: dict[str, Any], reinforce: dict[str, Any], evaluation: dict[str, Any],
 ) -> tuple[dict[str, RawData], dict[str, int]]:
-    """Schema-check the three raw files (``DataValidationError`` naming file, line and field), then find dubious
-    records and warn about / refuse them per ``data_prep.dubious``. Returns the data and the dubious counts."""
+    """Schema-check the three raw files (``DataValidationError`` naming file, line and field), check that every prompt
+    has the fields the configured reward functions of ppo / reinforce / evaluation need (so a missing answer fails
+    here, not mid-rollout), then find dubious records and warn about / refuse them per ``data_prep.dubious``.
+    Returns the data and the dubious counts."""
     config = from_dict(DataPrepConfig, params, "data_prep")  # fail on bad parameters before reading data
     artifacts = {"sft": raw_sft, "preference": raw_preference, "prompts": raw_prompts}
     raw = {kind: read_raw_jsonl(a.path, kind, source=a.meta.get("source")) for kind, a in artifacts.items()}
+    prompts = raw["prompts"]
+    check_prompts(prompts.records, prompts.lines, prompts.source,
+                  {"ppo": ppo, "reinforce": reinforce, "evaluation": evaluation})
     dubious = [find_dubious(data) for data in raw.values()]
     handle_dubious(dubious, config.dubious)
     return raw, {key: n for d in dubious for key, n in d.metrics().items()}
@@ -61,16 +69,20 @@ def tokenize_and_split(
     """
     config = from_dict(DataPrepConfig, params, "data_prep")
     seq_length = from_dict(ModelConfig, model, "model").seq_length
-    encoded = {kind: encode(data, tokenizer, seq_length) for kind, data in raw.items()}  # all checks first
+    encoded = {kind: encode(data, tokenizer, seq_length, config) for kind, data in raw.items()}  # all checks first
     splits = {kind: split_encoded(enc, raw[kind], tokenizer, config, seq_length) for kind, enc in encoded.items()}
+    for kind, enc in encoded.items():
+        _warn_overlong(raw[kind], enc.overlong, config, seq_length)
 
     metrics: dict[str, Any] = {
         "tokenizer_vocab_size": tokenizer.vocab_size,
         "tokenizer_fingerprint": tokenizer.fingerprint,
+        "chat_template": int(tokenizer.chat_template is not None and config.tokenizer.use_chat_template),
         "seq_length": seq_length,
         **dubious,
     }
     for kind, parts in splits.items():
+        metrics.update(encoded[kind].overlong)
         metrics[f"{kind}_max_tokens"] = encoded[kind].max_tokens
         metrics[f"{kind}_source_sha256"] = raw[kind].sha256
         for split, bundle in parts.items():
@@ -85,3 +97,36 @@ def tokenize_and_split(
         splits["prompts"]["val"],
         metrics,
     )
+
+
+def _warn_overlong(raw: RawData, counts: dict[str, int], config: DataPrepConfig, seq_length: int) -> None:
+    truncated, dropped = counts.get(f"{raw.kind}_truncated", 0), counts.get(f"{raw.kind}_dropped", 0)
+    if truncated or dropped:
+        logging.getLogger(__name__).warning(
+            "%s: %d of %d samples longer than model.seq_length = %d: %d truncated, %d dropped "
+            "(data_prep.overlong.%s = %s)", raw.source, truncated + dropped, len(raw), seq_length, truncated,
+            dropped, raw.kind, getattr(config.overlong, raw.kind))
+
+
+def tokenize_regression(
+    raw_regression: Artifact, tokenizer: Artifact, params: dict[str, Any], model: dict[str, Any]
+) -> tuple[ArrayBundle, ArrayBundle, dict[str, Any]]:
+    """SteerLM-style attribute data (``{"prompt", "response", "labels": {attribute: number | null}}``) tokenized with
+    data_prep's tokenizer (the one the policy and its reward model use) and split like the other kinds: the
+    ``reg_train`` / ``reg_val`` arrays of the regression reward model (``reward_labels`` [N, A], attribute names in
+    the sidecar). Same checks as data_prep: schema, dubious records, lengths (``data_prep.overlong.regression``)."""
+    config = from_dict(DataPrepConfig, params, "data_prep")
+    seq_length = from_dict(ModelConfig, model, "model").seq_length
+    raw = read_raw_jsonl(raw_regression.path, "regression", source=raw_regression.meta.get("source"))
+    dubious = find_dubious(raw)
+    handle_dubious([dubious], config.dubious)
+    tok = load_tokenizer(tokenizer.path)
+    encoded = encode(raw, tok, seq_length, config)
+    _warn_overlong(raw, encoded.overlong, config, seq_length)
+    parts = split_encoded(encoded, raw, tok, config, seq_length)
+    metrics: dict[str, Any] = {
+        **dubious.metrics(), **encoded.overlong, "regression_max_tokens": encoded.max_tokens,
+        "regression_attributes": len(encoded.attributes or []), "regression_source_sha256": raw.sha256,
+        **{f"regression_{split}_samples": b.meta["num_samples"] for split, b in parts.items()},
+    }
+    return parts["train"], parts["val"], metrics

@@ -4,7 +4,7 @@ passed, and its outputs are saved all-or-nothing (catalog ``commit_group: data_p
 
 from kedro.pipeline import Node, Pipeline
 
-from .nodes import fit_tokenizer, tokenize_and_split, validate_raw_data
+from .nodes import fit_tokenizer, tokenize_and_split, tokenize_regression, validate_raw_data
 
 
 def create_pipeline(**kwargs) -> Pipeline:
@@ -12,7 +12,8 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             Node(
                 validate_raw_data,
-                inputs=["raw_sft", "raw_preference", "raw_prompts", "params:data_prep"],
+                inputs=["raw_sft", "raw_preference", "raw_prompts", "params:data_prep", "params:ppo",
+                        "params:reinforce", "params:evaluation"],
                 outputs=["data_prep_raw", "data_prep_dubious"],
                 name="validate_raw_data",
             ),
@@ -45,4 +46,20 @@ def create_pipeline(**kwargs) -> Pipeline:
             ),
         ],
         tags=["data_prep"],
+    )
+
+
+def create_regression_pipeline(**kwargs) -> Pipeline:
+    """``regression_data``: SteerLM attribute data (``raw_regression``) tokenized with data_prep's tokenizer into
+    ``reg_train`` / ``reg_val`` (commit group ``regression_data``), for ``reward_model.loss: regression``."""
+    return Pipeline(
+        [
+            Node(
+                tokenize_regression,
+                inputs=["raw_regression", "tokenizer", "params:data_prep", "params:model"],
+                outputs=["reg_train", "reg_val", "regression_data_metrics"],
+                name="tokenize_regression",
+            )
+        ],
+        tags=["regression_data"],
     )

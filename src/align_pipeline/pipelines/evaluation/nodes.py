@@ -15,6 +15,7 @@ from align_pipeline.config import (
     from_dict,
     to_dict,
 )
+from align_pipeline.config.checks import check_reward_model
 from align_pipeline.data.formats import Artifact, check_tokenized_with
 from align_pipeline.launch import run_torchrun
 from align_pipeline.report import flat_metrics
@@ -29,6 +30,7 @@ def evaluate_policies(tokenizer: Artifact, prompts_val: Artifact, pref_val: Arti
 
     Returns (report dir, flat metrics)."""
     cfg = from_dict(EvaluationConfig, evaluation, "params:evaluation")
+    check_reward_model(cfg.reward, reward_model, "params:evaluation.reward")
     check_tokenized_with(tokenizer, prompts_val=prompts_val, pref_val=pref_val, sft_val=sft_val)
     named = {name.removesuffix("_policy"): path for name, path in policies.items()}
     key = config_hash({"policies": named, "rm": reward_model, "prompts": prompts_val.fingerprint,

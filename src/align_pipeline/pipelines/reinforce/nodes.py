@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from align_pipeline.config import ConfigError, ReinforceConfig, ReinforceJob
+from align_pipeline.config.checks import check_reward_model
 from align_pipeline.data.formats import Artifact
 from align_pipeline.pipelines.common import launch_stage, rl_metrics, rl_paths, typed_params
 
@@ -11,7 +12,7 @@ def train_reinforce(tokenizer: Artifact, prompts_train: Artifact, prompts_val: A
                     model: dict, parallel: dict, launch: dict, reinforce: dict,
                     reward_model: str | None = None) -> tuple[str, dict[str, float]]:
     """Returns (reinforce_policy dir, final metrics). ``reward_model`` is wired only by the ``reinforce_rm``
-    pipeline; the default ``reinforce`` pipeline optimises the verifiable reward alone."""
+    pipeline; the default ``reinforce`` pipeline optimises the reward functions alone."""
     model_cfg, parallel_cfg, launch_cfg, cfg = typed_params(model, parallel, launch, reinforce, ReinforceConfig,
                                                             "reinforce")
     if cfg.reward.reward_model_weight and reward_model is None:
@@ -20,6 +21,7 @@ def train_reinforce(tokenizer: Artifact, prompts_train: Artifact, prompts_val: A
             "has no reward model input: run `kedro run --pipelines reinforce_rm`, or set the weight to 0")
     if not cfg.reward.reward_model_weight:
         reward_model = None
+    check_reward_model(cfg.reward, reward_model, "params:reinforce.reward")
     paths, lineage = rl_paths(cfg, "reinforce", tokenizer=tokenizer, prompts_train=prompts_train,
                               prompts_val=prompts_val, sft_policy=sft_policy, reward_model=reward_model,
                               key={"model": model_cfg, "parallel": parallel_cfg, "reinforce": cfg})

@@ -15,6 +15,8 @@ import torch
 
 from align_pipeline.config import TrainingConfig
 from align_pipeline.config.checks import check_batch_split
+from align_pipeline.data.packing import pack, packed_microbatch
+from align_pipeline.data.store import RowView, SequenceArrays, load_sequences
 from align_pipeline.train.core.distributed import Dist
 
 
@@ -50,6 +52,16 @@ class ArrayBatches:
         self.seed = seed
         self.shuffle = shuffle
         self._perms: dict[int, np.ndarray] = {}
+
+    def real_tokens(self, step: int) -> int:
+        """Non-padding tokens of global batch ``step`` (all ranks; every sequence of a preference pair); for arrays
+        without sample lengths (already padded), the padded count."""
+        groups = {id(v.rows): v.rows for v in self.arrays.values() if isinstance(v, RowView)}
+        if not groups:  # the padded layout: every row is seq_length tokens
+            ids = self.arrays.get("input_ids", self.arrays.get("chosen_input_ids"))
+            return self.global_batch_size * self.rows_per_sample * (ids.shape[1] if ids is not None else 1)
+        idx = self.global_indices(step)
+        return int(sum(rows.lengths[idx].sum() for rows in groups.values()))
 
     @property
     def rows_per_sample(self) -> int:
@@ -111,18 +123,75 @@ class ArrayBatches:
         return {k: torch.from_numpy(np.ascontiguousarray(v[idx])).to(self.dist.device) for k, v in self.arrays.items()}
 
 
-def load_split_batches(train_path: str, val_path: str, cfg: TrainingConfig, dist: Dist,
-                       extra=None) -> tuple[ArrayBatches, ArrayBatches]:
-    """Train (shuffled) and validation (in order) batches of two tokenized .npz files, sized by ``cfg``.
+class PackedBatches:
+    """Global batches of packed rows (:mod:`align_pipeline.data.packing`): each row holds as many samples as fit in
+    ``seq_length`` tokens, each attending only to itself. ``global_batch_size`` / ``micro_batch_size`` count rows.
 
-    ``extra(arrays, split)`` may add per-sample arrays (e.g. the cached reference log-probs of DPO)."""
+    Per epoch the samples are shuffled (seeded by ``(seed, epoch)``) and packed in that order, so the rows of any step
+    are a pure function of the step (resume replays them). A micro-batch is one packed sequence of
+    ``micro_batch_size x seq_length`` tokens with ``cu_seqlens`` / ``position_ids`` (the thd layout).
+    """
+
+    def __init__(self, arrays: SequenceArrays, global_batch_size: int, micro_batch_size: int, dist: Dist, seed: int):
+        if set(arrays.rows) != {""}:
+            raise ValueError("packing needs one group of sequences (SFT data)")
+        check_batch_split(global_batch_size, micro_batch_size, dist.dp_size)
+        self.rows = arrays.rows[""]
+        self.seq_length, self.pad_id = self.rows.seq_length, self.rows.pad_id
+        self.global_batch_size, self.micro_batch_size, self.dist, self.seed = (global_batch_size, micro_batch_size,
+                                                                              dist, seed)
+        self.per_rank = global_batch_size // dist.dp_size
+        self.rows_per_sample = 1
+        self._lengths = self.rows.lengths
+        self._packs: list[list[int]] = []  # every epoch's rows so far, one after another
+        self._epoch_ends: list[int] = []
+
+    def _row(self, k: int) -> list[int]:
+        """Row ``k`` of the run (epochs are packed one after another, as they are reached)."""
+        while k >= len(self._packs):
+            epoch = len(self._epoch_ends)
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+            self._packs += pack(self._lengths, order, self.seq_length)
+            self._epoch_ends.append(len(self._packs))
+        return self._packs[k]
+
+    def _step_rows(self, step: int) -> list[list[int]]:
+        first = step * self.global_batch_size
+        return [self._row(k) for k in range(first, first + self.global_batch_size)]
+
+    def microbatches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of global batch ``step``: each one packed sequence [1, mbs x seq_length]."""
+        rows = self._step_rows(step)
+        mine = rows[self.dist.dp_rank * self.per_rank : (self.dist.dp_rank + 1) * self.per_rank]
+        return [self._to_device(packed_microbatch(self.rows, mine[i : i + self.micro_batch_size], self.seq_length,
+                                                  self.pad_id))
+                for i in range(0, self.per_rank, self.micro_batch_size)]
+
+    def real_tokens(self, step: int) -> int:
+        """Non-padding tokens of global batch ``step`` (all ranks)."""
+        return int(sum(self._lengths[i] for row in self._step_rows(step) for i in row))
+
+    def _to_device(self, mb: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return {k: torch.from_numpy(v).to(self.dist.device) for k, v in mb.items()}
+
+
+def load_split_batches(train_path: str, val_path: str, cfg: TrainingConfig, dist: Dist,
+                       extra=None, packing: bool = False) -> tuple[ArrayBatches | PackedBatches, ArrayBatches]:
+    """Train (shuffled) and validation (in order) batches of two tokenized .npz files (memory-mapped, see
+    :mod:`align_pipeline.data.store`), sized by ``cfg``.
+
+    ``extra(arrays, split)`` may add per-sample arrays (e.g. the cached reference log-probs of DPO). ``packing``: the
+    train batches are packed rows (:class:`PackedBatches`); validation stays padded (same loss, see the tests)."""
     out = []
     for split, path in (("train", train_path), ("val", val_path)):
-        arrays = dict(np.load(path))
+        arrays = load_sequences(path)  # memory-mapped; rows are padded (or packed) per batch
         if extra is not None:
             arrays = extra(arrays, split)
-        out.append(ArrayBatches(arrays, cfg.global_batch_size, cfg.micro_batch_size, dist, seed=cfg.seed,
-                                shuffle=split == "train"))
+        if packing and split == "train":
+            out.append(PackedBatches(arrays, cfg.global_batch_size, cfg.micro_batch_size, dist, seed=cfg.seed))
+        else:
+            out.append(ArrayBatches(arrays, cfg.global_batch_size, cfg.micro_batch_size, dist, seed=cfg.seed,
+                                    shuffle=split == "train"))
     return out[0], out[1]
 
 

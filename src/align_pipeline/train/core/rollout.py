@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import time
 
 import numpy as np
@@ -17,22 +16,18 @@ import torch
 import torch.distributed as tdist
 
 from align_pipeline.config import GenerationConfig, ModelConfig, RewardConfig, RLLoopConfig, config_hash, to_dict
+from align_pipeline.config.checks import attribute_weights
 from align_pipeline.data.formats import load_jsonl
 from align_pipeline.model import init
 from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.generate import generate
 from align_pipeline.model.sequences import rewards_forward, token_logprobs_forward, token_values_forward
+from align_pipeline.rewards import RewardFunctions, check_records
 from align_pipeline.train.core.batches import PromptStream, to_rows
 from align_pipeline.train.core.distributed import Dist
 from align_pipeline.train.core.optimizer import build_frozen
 from align_pipeline.train.core.progress import RunLog, log
 from align_pipeline.train.core.schedule import forward_rows
-
-
-def load_checker(spec: str):
-    """``"module:function"`` -> the function ``(prompt, response, answer) -> bool``."""
-    module, name = spec.split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 @dataclasses.dataclass
@@ -65,7 +60,7 @@ def generate_rollout(policy, records: list[dict], gen: GenerationConfig, tok, vo
     max_new = min(gen.max_new_tokens, seq_length - longest)
     tokens, eos = [], []
     for start in range(0, len(prompts), gen.batch_size):
-        g = generate(policy, prompts[start : start + gen.batch_size], max_new_tokens=max_new, eos_id=tok.eos_id,
+        g = generate(policy, prompts[start : start + gen.batch_size], max_new_tokens=max_new, eos_id=tok.stop_ids,
                      pad_id=tok.pad_id, vocab_size=vocab_size, temperature=gen.temperature, top_k=gen.top_k,
                      top_p=gen.top_p, greedy=greedy, seed=seed + start, tp_group=dist.pgs.tp)
         tokens += g.tokens
@@ -84,25 +79,32 @@ def iteration_seed(base: int, iteration: int, dp_rank: int) -> int:
 class Scores:
     total: torch.Tensor
     """[n] the reward the stage optimises."""
-    correct: torch.Tensor
-    """[n] 1.0 where the checker accepts the response."""
+    correct: torch.Tensor | None
+    """[n] 1.0 where the accuracy function returns >= 1 (None without reward functions)."""
     rm: torch.Tensor | None
-    """[n] reward-model scores (None without a reward model)."""
+    """[n] reward-model scores, attributes combined (None without a reward model)."""
+    functions: torch.Tensor | None
+    """[n, F] each reward function's value (None without reward functions)."""
 
 
-def score(rollout: Rollout, cfg: RewardConfig, checker, rm, rm_pooling: str | None, micro_batch_size: int,
+def score(rollout: Rollout, cfg: RewardConfig, rewards: RewardFunctions, rm, rm_forward, micro_batch_size: int,
           dist: Dist) -> Scores:
-    """``reward_model_weight * RM + checker_weight * correct - missing_eos_penalty * (no EOS)``."""
+    """``Σ_i functions[i].weight x function_i(prompt, response, record) - missing_eos_penalty x (no EOS)
+    + reward_model_weight x RM`` (``rm_forward``: :func:`~align_pipeline.model.sequences.rewards_forward` with the
+    reward model's pooling and attribute weights)."""
     device = dist.device
-    correct = torch.tensor([float(bool(checker(r["prompt"], t, r.get("answer"))))
-                            for r, t in zip(rollout.records, rollout.texts)], device=device)
+    values = [rewards.values(r["prompt"], t, r) for r, t in zip(rollout.records, rollout.texts)]  # [n][F]
+    functions = correct = None
+    if rewards.terms:
+        functions = torch.tensor(values, device=device)  # [n, F]
+        correct = torch.tensor([float(rewards.correct(v)) for v in values], device=device)  # [n]
     no_eos = torch.tensor([0.0 if e else 1.0 for e in rollout.ended_with_eos], device=device)
-    total = cfg.checker_weight * correct - cfg.missing_eos_penalty * no_eos
+    total = torch.tensor([rewards.weighted(v) for v in values], device=device) - cfg.missing_eos_penalty * no_eos
     rm_scores = None
     if rm is not None:
-        rm_scores = forward_rows(rm, rollout.rows, rewards_forward(rm_pooling), micro_batch_size, dist)[:, 0]  # [n]
+        rm_scores = forward_rows(rm, rollout.rows, rm_forward, micro_batch_size, dist)[:, 0]  # [n]
         total = total + cfg.reward_model_weight * rm_scores
-    return Scores(total, correct, rm_scores)
+    return Scores(total, correct, rm_scores, functions)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -175,11 +177,16 @@ def token_values(model, rows: dict, micro_batch_size: int, dist: Dist) -> torch.
     return forward_rows(model, rows, token_values_forward(), micro_batch_size, dist)
 
 
-def rollout_stats(r: Rollout, scores: Scores, dist: Dist) -> DPStats:
-    """The rollout metrics every RL stage reports (a stage adds its own before ``reduce()``)."""
+def rollout_stats(r: Rollout, scores: Scores, rewards: RewardFunctions, dist: Dist) -> DPStats:
+    """The rollout metrics every RL stage reports (a stage adds its own before ``reduce()``): ``rollout/accuracy``
+    with an accuracy function, ``rollout/reward_<function>`` per function when there are several."""
     stats = DPStats(dist)
     stats.add("rollout/rewards", scores.total)
-    stats.add("rollout/accuracy", scores.correct, std=False)
+    if scores.correct is not None:
+        stats.add("rollout/accuracy", scores.correct, std=False)
+    if scores.functions is not None and scores.functions.shape[1] > 1:
+        for i, term in enumerate(rewards.terms):
+            stats.add(f"rollout/reward_{term.key}", scores.functions[:, i], std=False)
     if scores.rm is not None:
         stats.add("rollout/reward_model_score", scores.rm, std=False)
     stats.add("rollout/response_lengths", r.rows["loss_mask"].sum(-1), std=False)
@@ -245,10 +252,10 @@ class Offload:
 
 
 def validation_accuracy(model, records: list[dict], gen: GenerationConfig, tok, vocab_size: int, dist: Dist,
-                        seq_length: int, checker) -> dict[str, float]:
-    """Accuracy of ``model`` on held-out prompt records, greedy and sampled (one sample per prompt at the rollout
-    temperature); DP ranks split the prompts."""
-    if not records:
+                        seq_length: int, rewards: RewardFunctions) -> dict[str, float]:
+    """Accuracy (the accuracy function's value >= 1) of ``model`` on held-out prompt records, greedy and sampled (one
+    sample per prompt at the rollout temperature); DP ranks split the prompts. Empty without an accuracy function."""
+    if not records or rewards.accuracy is None:
         return {}
     mine = records[dist.dp_rank :: dist.dp_size]
     totals = torch.zeros(3, dtype=torch.float64, device=dist.device)
@@ -257,28 +264,38 @@ def validation_accuracy(model, records: list[dict], gen: GenerationConfig, tok, 
         for i, greedy in enumerate((True, False)):
             r = generate_rollout(model, mine, one, tok, vocab_size, dist, seq_length,
                                  seed=iteration_seed(one.seed, -1, dist.dp_rank), greedy=greedy)
-            totals[i] = float(sum(checker(rec["prompt"], text, rec.get("answer")) for rec, text in zip(r.records, r.texts)))
+            totals[i] = float(sum(rewards.correct(rewards.values(rec["prompt"], text, rec))
+                                  for rec, text in zip(r.records, r.texts)))
         totals[2] = len(mine)
     tdist.all_reduce(totals, group=dist.pgs.dp)
     n = max(totals[2].item(), 1.0)
     return {"val/greedy_accuracy": totals[0].item() / n, "val/accuracy": totals[1].item() / n}
 
 
-def load_judges(paths, reward: RewardConfig, attention_backend: str, parallel, dist: Dist):
+def load_judges(paths, reward: RewardConfig, attention_backend: str, parallel, dist: Dist, where: str):
     """The frozen models of an RL stage: the KL reference (``paths.reference`` or the policy's start) and, when the
-    reward uses it, the reward model with its pooling; returns (reference, reward model | None, pooling | None)."""
+    reward uses it, the reward model with its scoring forward (its pooling; a multi-attribute model's outputs
+    combined by ``reward.reward_model_attribute_weights``, ``where`` naming that section); returns (reference,
+    reward model | None, rewards forward | None)."""
     run_time = ModelConfig(attention_backend=attention_backend)
     reference = build_frozen(init.resolve(paths.reference or paths.policy, run_time, 0), parallel, dist)
     if paths.reward_model is None or not reward.reward_model_weight:
         return reference, None, None
-    rm = build_frozen(init.resolve(paths.reward_model, run_time, 0), parallel, dist, head="value")
-    return reference, rm, reward_pooling(paths.reward_model)
+    source = init.resolve(paths.reward_model, run_time, 0)
+    weights = attribute_weights(reward.reward_model_attribute_weights, source.num_outputs, where, paths.reward_model)
+    rm = build_frozen(source, parallel, dist, head="value")
+    return reference, rm, rewards_forward(reward_pooling(paths.reward_model), weights)
 
 
-def load_prompts(paths, rl: RLLoopConfig, dist: Dist) -> tuple[PromptStream, list[dict]]:
-    """The training prompt stream and the held-out prompt records used for validation."""
-    stream = PromptStream(load_jsonl(paths.prompts), rl.prompts_per_iteration, dist, rl.seed)
-    return stream, load_jsonl(paths.val_prompts)[: rl.eval_prompts] if paths.val_prompts else []
+def load_prompts(paths, rl: RLLoopConfig, dist: Dist, rewards: RewardFunctions
+                 ) -> tuple[PromptStream, list[dict]]:
+    """The training prompt stream and the held-out prompt records used for validation, every record checked for
+    the fields the reward functions need (:func:`align_pipeline.rewards.check_records`)."""
+    train = load_jsonl(paths.prompts)
+    check_records(train, paths.prompts, rewards)
+    val = load_jsonl(paths.val_prompts)[: rl.eval_prompts] if paths.val_prompts else []
+    check_records(val, paths.val_prompts, rewards)
+    return PromptStream(train, rl.prompts_per_iteration, dist, rl.seed), val
 
 
 def start(stage: str, job, ckpts, prompts: PromptStream, rl: RLLoopConfig, dist: Dist, logger):

@@ -45,16 +45,18 @@ def eval_due(step: int, cfg: TrainingConfig) -> bool:
 
 def step_metrics(m: dict[str, float], loss_name: str, t0: float, runlog: RunLog, tokens: int) -> dict[str, float]:
     """A step's metrics as logged: ``loss`` (= ``loss_name``) first, the rest of the loss's metrics, grad norm, lr,
-    the step's wall time and the tokens/s so far."""
+    the step's wall time, its tokens (``step_tokens``: non-padding tokens of the global batch) and the tokens/s so
+    far."""
     runlog.progress.add_tokens(tokens)
     return {"loss": m[loss_name], **{k: v for k, v in m.items() if k != loss_name},
-            "step_time_s": time.perf_counter() - t0, "tokens_per_s": runlog.progress.tokens_per_s()}
+            "step_time_s": time.perf_counter() - t0, "step_tokens": float(tokens),
+            "tokens_per_s": runlog.progress.tokens_per_s()}
 
 
 def record(runlog: RunLog, step: int, metrics: dict[str, float]) -> None:
     """Log a step (validation steps always); the history keeps loss and step time."""
-    runlog.record(step, metrics, {"step": step, "loss": metrics["loss"], "step_time_s": metrics["step_time_s"]},
-                  force="val_loss" in metrics)
+    runlog.record(step, metrics, {"step": step, "loss": metrics["loss"], "step_time_s": metrics["step_time_s"],
+                                  "step_tokens": metrics["step_tokens"]}, force="val_loss" in metrics)
 
 
 def finish(stage: str, job, ckpts: Checkpoints, runlog: RunLog, step: int, cfg: TrainingConfig, tok,

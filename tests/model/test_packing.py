@@ -1,0 +1,73 @@
+"""Sequence packing on a real Megatron-core GPT (torchrun, gloo): the same samples give the same per-sample and total
+loss packed as padded (fp32, 1e-5), at TP=1 and TP=2; packing itself (rows, segments, positions, labels) by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from align_pipeline.config import LaunchConfig
+from align_pipeline.data.packing import pack, packed_microbatch
+from align_pipeline.data.store import Rows, ragged
+from align_pipeline.launch import run_torchrun
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_pack_first_fit_and_the_packed_layout():
+    # lengths 5, 3, 4, 2, 6 into rows of 8, in this order: [0 (5), 1 (3)], [2 (4), 3 (2)], [4 (6)]
+    assert pack(np.array([5, 3, 4, 2, 6]), np.arange(5), 8) == [[0, 1], [2, 3], [4]]
+    assert pack(np.array([5, 3, 4, 2, 6]), np.array([4, 0, 1, 2, 3]), 8) == [[4, 3], [0, 1], [2]]
+    with pytest.raises(ValueError, match="9 tokens > seq_length 8"):
+        pack(np.array([9]), np.arange(1), 8)
+
+    samples = [([1, 10, 11, 2], [False, False, True, True]), ([1, 20, 2], [False, True, True])]
+    rows = Rows(**{k: v for k, v in ragged(samples).items()}, seq_length=8, pad_id=0)
+    mb = packed_microbatch(rows, [[0, 1]], 8, pad_id=0)
+    assert mb["input_ids"].tolist() == [[1, 10, 11, 2, 1, 20, 2, 0]]
+    assert mb["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]  # restart per sample (and for the padding)
+    assert mb["cu_seqlens"].tolist() == [0, 4, 7, 8]  # the padding is a segment of its own
+    # labels shifted within each sample; a sample's last token predicts nothing (pad, no loss)
+    assert mb["labels"].tolist() == [[10, 11, 2, 0, 20, 2, 0, 0]]
+    assert mb["loss_mask"].tolist() == [[0, 1, 1, 0, 1, 1, 0, 0]]
+    assert mb["max_seqlen"].tolist() == [4] and mb["num_tokens"].tolist() == [7]
+
+
+@pytest.fixture(scope="module")
+def results(tiny_models, tmp_path_factory):
+    from align_pipeline.data.store import load_sequences
+
+    tmp = tmp_path_factory.mktemp("packing")
+    data = tiny_models["sft_data"]["val"]
+    lengths = load_sequences(data).lengths("")
+    samples = list(range(24))
+    assert len(set(lengths[samples].tolist())) > 3  # varied lengths, several samples per packed row
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    out = {}
+    for tp in (1, 2):
+        run_dir = tmp / f"tp{tp}"
+        run_dir.mkdir()
+        config = {"checkpoint": tiny_models["sft"], "parallel": {"tensor_model_parallel_size": tp}, "data": data,
+                  "samples": samples}
+        run_torchrun("packing_worker", config, LaunchConfig(nproc_per_node=tp), run_dir, env=env)
+        out[tp] = json.loads((run_dir / "result.json").read_text())
+    return out
+
+
+@pytest.mark.slow
+def test_packed_loss_equals_padded_loss(results):
+    r = results[1]
+    assert r["segments"] > r["rows"] and r["rows"] < len(r["padded"])  # several samples share a row
+    np.testing.assert_allclose(r["packed"], r["padded"], rtol=0, atol=1e-5)
+    assert r["packed_loss"][1] == r["padded_loss"][1] == sum(r["tokens"])  # same loss tokens
+    assert abs(r["packed_loss"][0] - r["padded_loss"][0]) <= 1e-5 * max(1.0, abs(r["padded_loss"][0]))
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1_packed(results):
+    np.testing.assert_allclose(results[2]["packed"], results[1]["packed"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(results[2]["padded"], results[1]["padded"], rtol=0, atol=1e-5)
