@@ -174,7 +174,8 @@ def test_hf_model_through_data_prep_sft_dpo_then_export(project):
 
     hf_dir = project / "hf_base"
     _llama32_style_hf_dir(hf_dir)
-    params = {**FAST, "data_prep": {"tokenizer": {"hf_model_dir": str(hf_dir)}},
+    params = {**FAST, "model": {**FAST["model"], "seq_length": 64},  # room for the chat template's role markup
+              "data_prep": {"tokenizer": {"hf_model_dir": str(hf_dir)}},
               "sft": {**FAST["sft"], "init_from": str(hf_dir)}, "dpo": {**TINY_STAGE, "export_hf": True}}
     (project / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(params))
     _run(project, "data_prep", "sft", "dpo")
