@@ -1,5 +1,7 @@
 """Sequence packing on a real Megatron-core GPT (torchrun, gloo): the same samples give the same per-sample and total
-loss packed as padded (fp32, 1e-5), at TP=1 and TP=2; packing itself (rows, segments, positions, labels) by hand."""
+loss packed as padded (fp32, 1e-5), at TP=1 and TP=2; so do preference pairs packed chosen-beside-rejected (DPO's
+per-sequence log-probs and token counts, the reward model's mean- and last-pooled rewards); packing itself (rows,
+segments, positions, labels) by hand."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def test_pack_first_fit_and_the_packed_layout():
 
     samples = [([1, 10, 11, 2], [False, False, True, True]), ([1, 20, 2], [False, True, True])]
     rows = Rows(**{k: v for k, v in ragged(samples).items()}, seq_length=8, pad_id=0)
-    mb = packed_microbatch(rows, [[0, 1]], 8, pad_id=0)
+    mb = packed_microbatch([rows], [[0, 1]], 8, pad_id=0)
     assert mb["input_ids"].tolist() == [[1, 10, 11, 2, 1, 20, 2, 0]]
     assert mb["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]  # restart per sample (and for the padding)
     assert mb["cu_seqlens"].tolist() == [0, 4, 7, 8]  # the padding is a segment of its own
@@ -35,6 +37,13 @@ def test_pack_first_fit_and_the_packed_layout():
     assert mb["labels"].tolist() == [[10, 11, 2, 0, 20, 2, 0, 0]]
     assert mb["loss_mask"].tolist() == [[0, 1, 1, 0, 1, 1, 0, 0]]
     assert mb["max_seqlen"].tolist() == [4] and mb["num_tokens"].tolist() == [7]
+    assert mb["sequence"].tolist() == [[0, 0, 0, 0, 1, 1, 1, -1]] and mb["sample_index"].tolist() == [0, 1]
+
+    # A preference pair: chosen and rejected side by side in one row; sequences numbered chosen 0..k-1, then rejected.
+    pair = packed_microbatch([rows, rows], [[1], [0]], 8, pad_id=0)
+    assert pair["input_ids"].tolist() == [[1, 20, 2, 1, 20, 2, 0, 0, 1, 10, 11, 2, 1, 10, 11, 2]]
+    assert pair["sequence"].tolist() == [[0, 0, 0, 2, 2, 2, -1, -1, 1, 1, 1, 1, 3, 3, 3, 3]]
+    assert pair["cu_seqlens"].tolist() == [0, 3, 6, 8, 12, 16] and pair["num_sequences"].tolist() == [4]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +61,7 @@ def results(tiny_models, tmp_path_factory):
         run_dir = tmp / f"tp{tp}"
         run_dir.mkdir()
         config = {"checkpoint": tiny_models["sft"], "parallel": {"tensor_model_parallel_size": tp}, "data": data,
-                  "samples": samples}
+                  "samples": samples, "pairs": tiny_models["pref"]["val"], "reward_model": tiny_models["rm"]}
         run_torchrun("packing_worker", config, LaunchConfig(nproc_per_node=tp), run_dir, env=env)
         out[tp] = json.loads((run_dir / "result.json").read_text())
     return out
@@ -71,3 +80,16 @@ def test_packed_loss_equals_padded_loss(results):
 def test_tp2_equals_tp1_packed(results):
     np.testing.assert_allclose(results[2]["packed"], results[1]["packed"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(results[2]["padded"], results[1]["padded"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_packed_pairs_equal_padded_pairs_for_dpo_and_the_reward_model(results):
+    for tp in (1, 2):
+        r = results[tp]
+        assert r["pair_rows"] < len(r["pair_logps_padded"]) // 2  # several pairs share a row
+        np.testing.assert_allclose(r["pair_logps_packed"], r["pair_logps_padded"], rtol=0, atol=1e-5)
+        assert r["pair_tokens_packed"] == r["pair_tokens_padded"]
+        for pooling in ("mean", "last"):
+            np.testing.assert_allclose(r[f"pair_reward_{pooling}_packed"], r[f"pair_reward_{pooling}_padded"],
+                                       rtol=0, atol=1e-5)
+    np.testing.assert_allclose(results[2]["pair_logps_packed"], results[1]["pair_logps_packed"], rtol=0, atol=1e-5)

@@ -1,6 +1,7 @@
 """Real data through the whole DAG: a chat-format dataset made here (multi-turn conversations with a system prompt,
 math-style prompts with GSM8K answers and a category, preference pairs), an HF tokenizer with a chat template, SFT
-with packing, a reward model, PPO (math checker weighted with the reward model) and REINFORCE (math checker), evaluation
+with packing, a reward model and DPO with packed pairs, PPO (math checker weighted with the reward model) and
+REINFORCE (math checker), evaluation
 grouped by category – through a real KedroSession on a temp project with a real sqlite MLflow store."""
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def project(tmp_path, monkeypatch):
         "data_prep": {"tokenizer": {"hf_model_dir": str(tokenizer)}, "overlong": {"sft": "truncate"}},
         "sft": {"packing": True, "training": {**TINY["training"], "train_steps": 6,
                                               "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 1}}},
-        "reward_model": TINY, "dpo": TINY,
+        "reward_model": {**TINY, "packing": True}, "dpo": {**TINY, "packing": True},  # pairs side by side in rows
         "ppo": {**TINY_RL, "critic_warmup_iterations": 1, "reward": REWARD},
         "reinforce": {**TINY_RL, "generation": {"max_new_tokens": 12, "samples_per_prompt": 4},
                       "reward": {**REWARD, "reward_model_weight": 0.0}},  # the default pipeline: no RM input

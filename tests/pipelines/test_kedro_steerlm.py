@@ -36,7 +36,7 @@ def project(tmp_path, monkeypatch):
         "model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "num_query_groups": 1,
                   "ffn_hidden_size": 64},
         "sft": TINY,
-        "reward_model": {**TINY, "loss": "regression"},
+        "reward_model": {**TINY, "loss": "regression", "packing": True},
         "reinforce": {"rl": {"iterations": 2, "prompts_per_iteration": 8, "epochs": 1, "minibatches": 2,
                              "micro_batch_size": 4, "log_interval": 1, "eval_interval": 0, "eval_prompts": 8,
                              "save_interval": 0},

@@ -38,6 +38,10 @@ class DPOConfig(StageRunConfig):
 
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """The optimisation loop."""
+    packing: bool = False
+    """Pack samples into rows of ``model.seq_length`` tokens (a preference pair's chosen and rejected sequences side
+    by side in one row), each sequence attending only to itself; batch sizes then count rows. Validation stays
+    padded. Needs pipeline_model_parallel_size 1."""
     loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
     """The preference loss."""
     reference_cache_dir: str = "data/07_model_output/reference_logps"

@@ -20,6 +20,10 @@ class RewardModelConfig(StageRunConfig):
 
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """The optimisation loop."""
+    packing: bool = False
+    """Pack samples into rows of ``model.seq_length`` tokens (a preference pair's chosen and rejected sequences side
+    by side in one row), each sequence attending only to itself; batch sizes then count rows. Validation stays
+    padded. Needs pipeline_model_parallel_size 1."""
     loss: Literal["bradley_terry", "regression"] = "bradley_terry"
     """bradley_terry: pairwise on preference pairs; regression: SteerLM-style multi-attribute labels (the data is a
     tokenized "regression" file with ``reward_labels`` [N, A]; missing labels are masked)."""

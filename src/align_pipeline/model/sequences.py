@@ -37,7 +37,10 @@ def run(module, input_ids: torch.Tensor, batch: dict[str, torch.Tensor] | None =
 
 
 def pair_batch(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stack chosen over rejected: input_ids/labels/loss_mask [2b, s] (rows 0..b-1 chosen, b..2b-1 rejected)."""
+    """Stack chosen over rejected: input_ids/labels/loss_mask [2b, s] (rows 0..b-1 chosen, b..2b-1 rejected). A
+    packed batch is already one [1, T] sequence whose ``sequence`` numbering has that order."""
+    if "sequence" in batch:
+        return batch["input_ids"], batch["labels"], batch["loss_mask"]
 
     def cat(key: str) -> torch.Tensor:
         return torch.cat([batch[f"chosen_{key}"], batch[f"rejected_{key}"]])
@@ -45,21 +48,41 @@ def pair_batch(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
     return cat("input_ids"), cat("labels"), cat("loss_mask")
 
 
-def sequence_rewards(values: torch.Tensor, loss_mask: torch.Tensor, pooling: str) -> torch.Tensor:
-    """values [n, s, 1] at each *input* position -> rewards [n].
+def per_sequence_sum(x: torch.Tensor, batch: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """[rows, s] -> [n]: the sum over each sequence – a padded row is one sequence; in a packed batch ([1, T]) the
+    tokens of sequence i (``batch["sequence"] == i``) make sequence i (n = the micro-batch's sequences)."""
+    if batch is None or "sequence" not in batch:
+        return x.sum(-1)
+    seq = batch["sequence"][0]  # [T], -1 = padding
+    n = int(batch["num_sequences"][0])
+    keep = seq >= 0
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, seq[keep], x[0][keep])
+
+
+def sequence_rewards(values: torch.Tensor, loss_mask: torch.Tensor, pooling: str,
+                     batch: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """values [n, s, 1] at each *input* position -> rewards [n] (a packed ``batch``: [1, T, 1] -> one per sequence).
 
     The response occupies input positions t+1 for every t with ``loss_mask[:, t] = 1``; "last" reads the value at the
-    final one (the EOS token, which has seen the whole sequence), "mean" averages over all of them.
+    final one (the EOS token, which has seen the whole sequence), "mean" averages over all of them. (In a packed row a
+    sequence's last token has no loss, so no response spills into the next sequence.)
     """
     values = values[..., 0].float()  # [n, s]
     response = torch.zeros_like(loss_mask, dtype=torch.bool)  # [n, s] response tokens as inputs
     response[:, 1:] = loss_mask[:, :-1] > 0
     if pooling == "mean":
-        return (values * response).sum(-1) / response.sum(-1).clamp(min=1)
+        return per_sequence_sum(values * response, batch) / per_sequence_sum(response.float(), batch).clamp(min=1)
     if pooling != "last":
         raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
     positions = torch.arange(values.shape[1], device=values.device).expand_as(values)  # [n, s]
-    last = torch.where(response, positions, torch.zeros_like(positions)).max(-1).values  # [n]
+    marked = torch.where(response, positions, torch.zeros_like(positions))  # [n, s]
+    if batch is not None and "sequence" in batch:
+        seq = batch["sequence"][0]
+        n = int(batch["num_sequences"][0])
+        last = torch.zeros(n, dtype=positions.dtype, device=values.device).scatter_reduce(
+            0, seq.clamp(min=0), torch.where(seq >= 0, marked[0], 0), reduce="amax")  # [n] position in the row
+        return values[0][last]
+    last = marked.max(-1).values  # [n]
     return values.gather(1, last.unsqueeze(1)).squeeze(1)
 
 

@@ -21,7 +21,7 @@ from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.preference import PreferenceLogps, combine, get_preference_loss
 from align_pipeline.model import init
 from align_pipeline.model.logprobs import token_nll
-from align_pipeline.model.sequences import pair_batch, run
+from align_pipeline.model.sequences import pair_batch, per_sequence_sum, run
 from align_pipeline.tracking import RunLogger
 from align_pipeline.train.core import supervised
 from align_pipeline.train.core.batches import load_split_batches
@@ -51,12 +51,12 @@ def preference_loss(lc: PreferenceLossConfig, vocab_size: int, tp_rank: int):
     loss = functools.partial(get_preference_loss(lc.name), beta=lc.beta, **lc.options)
 
     def forward_loss(module, batch):
-        ids, labels, mask = pair_batch(batch)  # [2b, s]
-        logits = run(module, ids)  # [2b, s, V/tp]
+        ids, labels, mask = pair_batch(batch)  # [2b, s] (packed: [1, T])
+        logits = run(module, ids, batch)  # [2b, s, V/tp]
 
         def loss_fn(logits):
-            logps = -(token_nll(logits, labels, vocab_size, tp_rank) * mask).sum(-1)  # [2b]
-            (pc, pr), (tc, tr) = logps.chunk(2), mask.sum(-1).chunk(2)  # [b] each
+            logps = -per_sequence_sum(token_nll(logits, labels, vocab_size, tp_rank) * mask, batch)  # [2b]
+            (pc, pr), (tc, tr) = logps.chunk(2), per_sequence_sum(mask, batch).chunk(2)  # [b] each
             pairs = PreferenceLogps(
                 policy_chosen=pc, policy_rejected=pr,
                 ref_chosen=batch.get("ref_chosen_logps"), ref_rejected=batch.get("ref_rejected_logps"),
@@ -83,7 +83,8 @@ def main(job: DPOJob) -> dict:
     policy = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist)
     ref = np.load(paths.reference_logps) if paths.reference_logps else None
     train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist,
-                                    extra=lambda arrays, split: with_reference(arrays, ref, split))
+                                    extra=lambda arrays, split: with_reference(arrays, ref, split),
+                                    packing=job.dpo.packing)
     loss, seq_length = preference_loss(lc, source.vocab_size, dist.tp_rank), source.model.seq_length
     loss_name = "loss" if lc.sft_weight else f"{lc.name}_loss"
     metric_names = [f"{lc.name}_loss", "accuracy", "rewards_chosen", "rewards_rejected", "rewards_margin",

@@ -41,11 +41,11 @@ def bradley_terry(cfg: RewardModelConfig):
     """(module, pair batch) -> (values, loss_fn): chosen rows over rejected rows [2b, s] -> one reward each."""
 
     def forward_loss(module, batch):
-        ids, _, mask = pair_batch(batch)  # [2b, s]
-        values = run(module, ids)  # [2b, s, 1] on the last stage
+        ids, _, mask = pair_batch(batch)  # [2b, s] (packed: [1, T])
+        values = run(module, ids, batch)  # [2b, s, 1] on the last stage
 
         def loss_fn(values):
-            r_c, r_r = sequence_rewards(values, mask, cfg.pooling).chunk(2)  # [b], [b]
+            r_c, r_r = sequence_rewards(values, mask, cfg.pooling, batch).chunk(2)  # [b], [b]
             gap = batch["chosen_reward"] - batch["rejected_reward"]  # [b], NaN where the data has no rewards
             margin = cfg.margin_scale * torch.nan_to_num(gap, nan=0.0) if cfg.margin_scale else None
             return bradley_terry_loss(r_c, r_r, margin)
@@ -59,11 +59,12 @@ def regression(cfg: RewardModelConfig):
     """(module, batch) -> (values, loss_fn): one value per attribute [b, s, A], regressed onto the labels present."""
 
     def forward_loss(module, batch):
-        ids, mask = batch["input_ids"], batch["loss_mask"]  # [b, s]
-        values = run(module, ids)  # [b, s, A]
+        ids, mask = batch["input_ids"], batch["loss_mask"]  # [b, s] (packed: [1, T])
+        values = run(module, ids, batch)  # [b, s, A]
 
         def loss_fn(values):
-            per_attr = [sequence_rewards(values[..., a : a + 1], mask, cfg.pooling) for a in range(values.shape[-1])]
+            per_attr = [sequence_rewards(values[..., a : a + 1], mask, cfg.pooling, batch)
+                        for a in range(values.shape[-1])]
             predicted = torch.stack(per_attr, dim=-1)  # [b, A]
             labels = batch["reward_labels"]  # [b, A], NaN = missing
             present = ~torch.isnan(labels)
@@ -92,7 +93,7 @@ def main(job: RewardModelJob) -> dict:
         num_outputs, loss, metric_names = 1, bradley_terry(section), PAIR_METRICS
     model = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist, head="value",
                             num_outputs=num_outputs)
-    train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist)
+    train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist, packing=section.packing)
     seq_length = source.model.seq_length
     ckpts = Checkpoints.for_training({"model": (model, paths.run_dir)}, cfg, job, "reward_model", dist)
     step, runlog, metrics = supervised.start("reward_model", job, ckpts, cfg, dist, logger)

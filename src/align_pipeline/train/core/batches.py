@@ -14,9 +14,10 @@ import numpy as np
 import torch
 
 from align_pipeline.config import TrainingConfig
+from align_pipeline.config.base import ConfigError
 from align_pipeline.config.checks import check_batch_split
 from align_pipeline.data.packing import pack, packed_microbatch
-from align_pipeline.data.store import RowView, SequenceArrays, load_sequences
+from align_pipeline.data.store import Rows, RowView, load_sequences
 from align_pipeline.train.core.distributed import Dist
 
 
@@ -123,26 +124,39 @@ class ArrayBatches:
         return {k: torch.from_numpy(np.ascontiguousarray(v[idx])).to(self.dist.device) for k, v in self.arrays.items()}
 
 
+def sequence_groups(arrays) -> dict[str, Rows]:
+    """The ragged groups behind an arrays dict's padded views (``{"": rows}`` or ``{"chosen_": .., "rejected_": ..}``),
+    found through the views themselves, so a dict that added per-sample arrays (DPO's reference log-probs) keeps them."""
+    return {key[: -len("input_ids")]: view.rows for key, view in arrays.items()
+            if isinstance(view, RowView) and key.endswith("input_ids")}
+
+
 class PackedBatches:
     """Global batches of packed rows (:mod:`align_pipeline.data.packing`): each row holds as many samples as fit in
-    ``seq_length`` tokens, each attending only to itself. ``global_batch_size`` / ``micro_batch_size`` count rows.
+    ``seq_length`` tokens, each sequence attending only to itself; a preference pair's chosen and rejected sequences
+    share a row. ``global_batch_size`` / ``micro_batch_size`` count rows.
 
     Per epoch the samples are shuffled (seeded by ``(seed, epoch)``) and packed in that order, so the rows of any step
     are a pure function of the step (resume replays them). A micro-batch is one packed sequence of
-    ``micro_batch_size x seq_length`` tokens with ``cu_seqlens`` / ``position_ids`` (the thd layout).
+    ``micro_batch_size x seq_length`` tokens with ``cu_seqlens`` / ``position_ids`` (the thd layout), ``sequence``
+    (which sequence each token is in) and the micro-batch's samples' per-sample arrays (rewards, labels, reference
+    log-probs) in sample order.
     """
 
-    def __init__(self, arrays: SequenceArrays, global_batch_size: int, micro_batch_size: int, dist: Dist, seed: int):
-        if set(arrays.rows) != {""}:
-            raise ValueError("packing needs one group of sequences (SFT data)")
+    def __init__(self, arrays, global_batch_size: int, micro_batch_size: int, dist: Dist, seed: int):
+        groups = sequence_groups(arrays)
+        if set(groups) not in ({""}, {"chosen_", "rejected_"}):
+            raise ValueError(f"packing needs ragged sequences (one group, or chosen/rejected pairs), got {set(groups)}")
         check_batch_split(global_batch_size, micro_batch_size, dist.dp_size)
-        self.rows = arrays.rows[""]
-        self.seq_length, self.pad_id = self.rows.seq_length, self.rows.pad_id
+        self.groups = [groups[p] for p in sorted(groups)]  # "" | chosen_, rejected_
+        self.per_sample = {k: v for k, v in arrays.items() if not isinstance(v, RowView)}
+        first = self.groups[0]
+        self.seq_length, self.pad_id = first.seq_length, first.pad_id
         self.global_batch_size, self.micro_batch_size, self.dist, self.seed = (global_batch_size, micro_batch_size,
                                                                               dist, seed)
         self.per_rank = global_batch_size // dist.dp_size
-        self.rows_per_sample = 1
-        self._lengths = self.rows.lengths
+        self.rows_per_sample = len(self.groups)
+        self._lengths = sum(g.lengths for g in self.groups)  # [N] tokens a sample takes in a row
         self._packs: list[list[int]] = []  # every epoch's rows so far, one after another
         self._epoch_ends: list[int] = []
 
@@ -150,7 +164,7 @@ class PackedBatches:
         """Row ``k`` of the run (epochs are packed one after another, as they are reached)."""
         while k >= len(self._packs):
             epoch = len(self._epoch_ends)
-            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self._lengths))
             self._packs += pack(self._lengths, order, self.seq_length)
             self._epoch_ends.append(len(self._packs))
         return self._packs[k]
@@ -163,16 +177,18 @@ class PackedBatches:
         """This rank's micro-batches of global batch ``step``: each one packed sequence [1, mbs x seq_length]."""
         rows = self._step_rows(step)
         mine = rows[self.dist.dp_rank * self.per_rank : (self.dist.dp_rank + 1) * self.per_rank]
-        return [self._to_device(packed_microbatch(self.rows, mine[i : i + self.micro_batch_size], self.seq_length,
-                                                  self.pad_id))
-                for i in range(0, self.per_rank, self.micro_batch_size)]
+        return [self._microbatch(mine[i : i + self.micro_batch_size]) for i in range(0, self.per_rank,
+                                                                                  self.micro_batch_size)]
+
+    def _microbatch(self, packs: list[list[int]]) -> dict[str, torch.Tensor]:
+        mb = packed_microbatch(self.groups, packs, self.seq_length, self.pad_id)
+        idx = mb["sample_index"]
+        mb.update({k: np.ascontiguousarray(np.asarray(v)[idx]) for k, v in self.per_sample.items()})
+        return {k: torch.from_numpy(v).to(self.dist.device) for k, v in mb.items()}
 
     def real_tokens(self, step: int) -> int:
         """Non-padding tokens of global batch ``step`` (all ranks)."""
         return int(sum(self._lengths[i] for row in self._step_rows(step) for i in row))
-
-    def _to_device(self, mb: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        return {k: torch.from_numpy(v).to(self.dist.device) for k, v in mb.items()}
 
 
 def load_split_batches(train_path: str, val_path: str, cfg: TrainingConfig, dist: Dist,
@@ -188,6 +204,8 @@ def load_split_batches(train_path: str, val_path: str, cfg: TrainingConfig, dist
         if extra is not None:
             arrays = extra(arrays, split)
         if packing and split == "train":
+            if dist.pp_size > 1:
+                raise ConfigError("packing needs pipeline_model_parallel_size 1 (packed rows are not pipelined)")
             out.append(PackedBatches(arrays, cfg.global_batch_size, cfg.micro_batch_size, dist, seed=cfg.seed))
         else:
             out.append(ArrayBatches(arrays, cfg.global_batch_size, cfg.micro_batch_size, dist, seed=cfg.seed,
