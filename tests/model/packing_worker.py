@@ -22,6 +22,7 @@ from align_pipeline.data.packing import pack, packed_microbatch
 from align_pipeline.data.store import load_sequences
 from align_pipeline.losses.sft import masked_token_loss
 from align_pipeline.model import init
+from align_pipeline.model.attention import flex_attention_available
 from align_pipeline.model.logprobs import token_nll
 from align_pipeline.model.sequences import pair_batch, per_sequence_sum, run, sequence_rewards
 from align_pipeline.train.core.distributed import init_distributed, shutdown
@@ -41,13 +42,13 @@ def main() -> None:
     S, V = rows.seq_length, source.vocab_size
 
     with torch.no_grad():
-        batch = {k: torch.from_numpy(v) for k, v in rows.take(idx).items()}  # [n, S] right-padded
+        batch = {k: torch.from_numpy(v).to(dist.device) for k, v in rows.take(idx).items()}  # [n, S] right-padded
         nll = token_nll(run(model, batch["input_ids"]), batch["labels"], V, dist.tp_rank)  # [n, S]
         padded = (nll * batch["loss_mask"]).sum(-1)  # [n]
         padded_loss = masked_token_loss(nll, batch["loss_mask"])
 
         packs = pack(rows.lengths, idx, S)
-        mb = {k: torch.from_numpy(v) for k, v in packed_microbatch([rows], packs, S, rows.pad_id).items()}
+        mb = {k: torch.from_numpy(v).to(dist.device) for k, v in packed_microbatch([rows], packs, S, rows.pad_id).items()}
         nll_p = token_nll(run(model, mb["input_ids"], mb), mb["labels"], V, dist.tp_rank)[0]  # [T]
         packed_loss = masked_token_loss(nll_p[None], mb["loss_mask"])
         starts = {}
@@ -56,12 +57,13 @@ def main() -> None:
             for i in samples:
                 starts[i] = at
                 at += int(rows.lengths[i])
-        packed = [float((nll_p * mb["loss_mask"][0])[starts[i] : starts[i] + int(rows.lengths[i])].sum())
+        packed = [float((nll_p * mb["loss_mask"][0])[starts[i] : starts[i] + int(rows.lengths[i])].sum().cpu())
                   for i in idx.tolist()]
     result = {"padded": padded.tolist(), "packed": packed, "tokens": batch["loss_mask"].sum(-1).tolist(),
               "padded_loss": [float(padded_loss[0]), float(padded_loss[1])],
               "packed_loss": [float(packed_loss[0]), float(packed_loss[1])],
-              "rows": len(packs), "segments": len(mb["cu_seqlens"]) - 1}
+              "rows": len(packs), "segments": len(mb["cu_seqlens"]) - 1,
+              "flex_attention": bool(torch.cuda.is_available() and flex_attention_available())}
     if cfg.get("pairs"):
         result.update(pairs(model, cfg, parallel, dist, idx, V))
     if dist.rank == 0:
@@ -75,11 +77,12 @@ def pairs(policy, cfg: dict, parallel, dist, idx: np.ndarray, V: int) -> dict:
     arrays = load_sequences(cfg["pairs"])
     groups = [arrays.rows["chosen_"], arrays.rows["rejected_"]]
     S = groups[0].seq_length
-    padded = {f"{side}_{k}": torch.from_numpy(v) for side, rows in zip(("chosen", "rejected"), groups)
+    padded = {f"{side}_{k}": torch.from_numpy(v).to(dist.device) for side, rows in zip(("chosen", "rejected"), groups)
               for k, v in rows.take(idx).items()}
     row = 3 * S  # the demo's pairs fill most of its seq_length: longer rows so that several share one
     packs = pack(groups[0].lengths + groups[1].lengths, idx, row)
-    packed = {k: torch.from_numpy(v) for k, v in packed_microbatch(groups, packs, row, groups[0].pad_id).items()}
+    packed = {k: torch.from_numpy(v).to(dist.device)
+              for k, v in packed_microbatch(groups, packs, row, groups[0].pad_id).items()}
     order = packed["sample_index"].tolist()  # the packed micro-batch's sample order
     pos = [order.index(i) for i in idx.tolist()]  # where sample idx[j] sits in the packed numbering
     k = len(order)
@@ -95,7 +98,7 @@ def pairs(policy, cfg: dict, parallel, dist, idx: np.ndarray, V: int) -> dict:
             values = run(rm, ids, b)
             rewards = {p: sequence_rewards(values, mask, p, b) for p in ("mean", "last")}
             if name == "packed":  # into idx order: sequence j of the padded stack = sample idx[j]
-                sel = torch.tensor(pos + [k + p for p in pos])
+                sel = torch.tensor(pos + [k + p for p in pos], device=logps.device)
                 logps, tokens = logps[sel], tokens[sel]
                 rewards = {p: r[sel] for p, r in rewards.items()}
             out[f"pair_logps_{name}"] = logps.tolist()

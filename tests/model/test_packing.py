@@ -93,3 +93,27 @@ def test_packed_pairs_equal_padded_pairs_for_dpo_and_the_reward_model(results):
             np.testing.assert_allclose(r[f"pair_reward_{pooling}_packed"], r[f"pair_reward_{pooling}_padded"],
                                        rtol=0, atol=1e-5)
     np.testing.assert_allclose(results[2]["pair_logps_packed"], results[1]["pair_logps_packed"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_packed_equals_padded_on_gpu_with_flex_attention(tmp_path):
+    """On a GPU the packed path runs FlexAttention with a block mask (fp32 here): same numbers as padded SDPA."""
+    from jobs import make_pref_data, make_sft_data, run_rm, run_sft, sft_job
+
+    data = make_sft_data(tmp_path / "data")
+    pref = make_pref_data(tmp_path / "data", data["tokenizer"])
+    sft = run_sft(sft_job(data, tmp_path / "sft", training={"train_steps": 4}))
+    rm = run_rm(pref, data["tokenizer"], sft["model_dir"], tmp_path / "rm")
+    run_dir = tmp_path / "check"
+    run_dir.mkdir()
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    config = {"checkpoint": sft["model_dir"], "parallel": {}, "data": data["val"], "samples": list(range(24)),
+              "pairs": pref["val"], "reward_model": rm["model_dir"]}
+    run_torchrun("packing_worker", config, LaunchConfig(nproc_per_node=1), run_dir, env=env)
+    r = json.loads((run_dir / "result.json").read_text())
+    assert r["flex_attention"] and r["segments"] > r["rows"]
+    np.testing.assert_allclose(r["packed"], r["padded"], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(r["pair_logps_packed"], r["pair_logps_padded"], rtol=0, atol=1e-4)
+    for pooling in ("mean", "last"):
+        np.testing.assert_allclose(r[f"pair_reward_{pooling}_packed"], r[f"pair_reward_{pooling}_padded"], rtol=0,
+                                   atol=1e-4)
