@@ -180,18 +180,6 @@ def renderer_for(tok: TextTokenizer, use_chat_template: bool = True) -> Renderer
     return Renderer(tok, tok.chat_template if use_chat_template else None)
 
 
-def encode_segments(tok: TextTokenizer, segments: list[tuple[str, bool]]) -> Sample:
-    """Plain layout: ``start`` + each segment's tokens (+ ``<eos>`` after each response); per token: is it
-    response."""
-    return Renderer(tok).segments(segments)
-
-
-def encode_prompt_response(tok: TextTokenizer, prompt: str, response: str) -> Sample:
-    """Plain layout: ``start`` + prompt + response + ``<eos>``, and which tokens are response (response and
-    ``<eos>``)."""
-    return Renderer(tok).prompt_response(prompt, response)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Samples longer than seq_length
 # ---------------------------------------------------------------------------------------------------------------
@@ -250,10 +238,6 @@ class Overlong:
 
     def metrics(self) -> dict[str, int]:
         return {f"{self.raw.kind}_truncated": len(self.truncated), f"{self.raw.kind}_dropped": len(self.dropped)}
-
-
-def _too_long(n: int, seq_length: int, what: str) -> str:
-    return f"{what} is {n} tokens, longer than model.seq_length = {seq_length}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -490,8 +474,6 @@ __all__ = [
     "DataPrepConfig",
     "Encoded",
     "encode",
-    "encode_prompt_response",
-    "encode_segments",
     "split_encoded",
     "split_indices",
 ]

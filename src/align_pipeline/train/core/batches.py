@@ -57,7 +57,7 @@ class ArrayBatches:
     def real_tokens(self, step: int) -> int:
         """Non-padding tokens of global batch ``step`` (all ranks; every sequence of a preference pair); for arrays
         without sample lengths (already padded), the padded count."""
-        groups = {id(v.rows): v.rows for v in self.arrays.values() if isinstance(v, RowView)}
+        groups = sequence_groups(self.arrays)
         if not groups:  # the padded layout: every row is seq_length tokens
             ids = self.arrays.get("input_ids", self.arrays.get("chosen_input_ids"))
             return self.global_batch_size * self.rows_per_sample * (ids.shape[1] if ids is not None else 1)
