@@ -8,8 +8,9 @@
                                "<prefix>switches_restored": bool}
 
 ``rows`` picks prompts (default all); ``one_by_one`` calls generate once per prompt and concatenates the results;
-``eos_from`` sets ``eos_id`` to a token an earlier case generated (with the case's own ``eos_id``: both are stop
-ids); ``score`` adds ``scored_logprobs``, the generated
+``eos_from`` sets ``eos_id`` to the token an earlier case generated at ``index`` in ``row`` (or in each of a list of
+rows: several stop ids; with the case's own ``eos_id``: all are stop ids); ``perturb`` scales every layer's MLP output
+weight by 1.5 in place before the case (as an optimizer step changes weights; later cases see it too); ``score`` adds ``scored_logprobs``, the generated
 tokens' log-probs from a plain training-style forward (one unpadded row, no mask, no cache). Each of ``variants``
 runs its cases (default all) again as ``<prefix><name>`` on a model built with those ParallelConfig / ModelConfig
 overrides (e.g. sequence parallelism, Megatron's local attention); ``mask_ignoring_core_attention`` replaces every
@@ -28,6 +29,7 @@ import torch
 
 from align_pipeline.config import ModelConfig, ParallelConfig, from_dict
 from align_pipeline.model import init
+from align_pipeline.model.decode import DecodeEngine
 from align_pipeline.model.generate import generate
 from align_pipeline.model.gpt import build_gpt
 from align_pipeline.model.sequences import position_ids
@@ -42,9 +44,17 @@ def run_cases(model, cfg: dict, prefix: str, names: list[str] | None) -> dict:
         kwargs = dict(case["kwargs"])
         kwargs.setdefault("vocab_size", cfg["vocab_size"])
         if case.get("eos_from"):
-            src, row, index = case["eos_from"]
-            generated = results[prefix + src]["tokens"][row][index]
-            kwargs["eos_id"] = [kwargs["eos_id"], generated] if kwargs.get("eos_id") is not None else generated
+            src, rows_from, index = case["eos_from"]
+            generated = [results[prefix + src]["tokens"][r][index] for r in
+                         (rows_from if isinstance(rows_from, list) else [rows_from])]
+            generated = generated[0] if len(generated) == 1 else generated
+            if kwargs.get("eos_id") is not None:
+                generated = [kwargs["eos_id"], *(generated if isinstance(generated, list) else [generated])]
+            kwargs["eos_id"] = generated
+        if case.get("perturb"):  # an in-place weight update, as an optimizer step makes (kept for later cases)
+            with torch.no_grad():
+                for layer in model.decoder.layers:
+                    layer.mlp.linear_fc2.weight.mul_(1.5)
         rows = case.get("rows") or list(range(len(cfg["prompts"])))
         prompts = [cfg["prompts"][i] for i in rows]
         model.train()  # generate() must switch to eval and back
@@ -62,6 +72,9 @@ def run_cases(model, cfg: dict, prefix: str, names: list[str] | None) -> dict:
         if case.get("score"):
             out["scored_logprobs"] = [score(model, p, t, cfg["vocab_size"]) for p, t in zip(prompts, out["tokens"])]
         out["eos_id"] = kwargs["eos_id"]
+        engine = getattr(model, "_align_decode_engine", None)
+        out["engine"] = None if engine is None else {"captures": engine.captures, "compactions": engine.compactions,
+                                                      "allocations": DecodeEngine.allocations}
         assert model.training, "generate() did not restore training mode"
         results[prefix + case["name"]] = out
     return results

@@ -1,9 +1,10 @@
 """Batched generation on a real (briefly trained) Megatron-core GPT under torchrun on gloo.
 
 One SFT run gives the checkpoint; one TP=1 job and one TP=2 job run every generation case (see generate_worker.py) and
-the tests compare their results: KV cache == no cache, batched (left-padded) == one prompt at a time, TP=2 == TP=1
-(also with sequence parallelism), SDPA == Megatron's local attention, log-probs == a training-style forward, sampling
-reproducible, top-k=1 / cold temperature == greedy, EOS and the length cap.
+the tests compare their results: KV cache == no cache (greedy and sampled), batched (left-padded) == one prompt at a
+time, TP=2 == TP=1 (also with sequence parallelism), SDPA == Megatron's local attention, log-probs == a training-style
+forward, sampling reproducible, top-k=1 / cold temperature == greedy, EOS and the length cap, samples sharing a
+prompt's prefill, finished rows dropped, weights changed in place.
 The sampler's filtering and the guards run in a subprocess (Megatron patches torch on CPU, so never in pytest).
 """
 
@@ -80,6 +81,16 @@ def _cases(tok, batch: list[int]) -> tuple[list[dict], list[dict]]:
         {"name": "sample_other_seed", "kwargs": {**sample, "seed": 6}, "rows": batch},
         {"name": "sample_filtered", "kwargs": {**sample, "temperature": 0.7, "top_k": 8, "top_p": 0.9},
          "rows": batch, "score": True},
+        # Several samples per prompt (prefilled once): the same tokens as the reference path, samples differ.
+        {"name": "samples_shared", "kwargs": sample, "rows": [1] * 4 + [2] * 4},
+        {"name": "samples_shared_nocache", "kwargs": {**sample, "use_cache": False}, "rows": [1] * 4 + [2] * 4},
+        # Rows stop at different steps: the batch is compacted to the rows still running.
+        {"name": "finish_early", "kwargs": greedy, "rows": batch, "eos_from": ["greedy", 0, 0]},
+        {"name": "finish_early_nocache", "kwargs": {**greedy, "use_cache": False}, "rows": batch,
+         "eos_from": ["greedy", 0, 0]},
+        # Weights changed in place (as by an optimizer step): the kept cache and step see them.
+        {"name": "perturbed", "kwargs": greedy, "rows": batch, "perturb": True},
+        {"name": "perturbed_nocache", "kwargs": {**greedy, "use_cache": False}, "rows": batch},
         {"name": "bench_64x16", "kwargs": greedy, "rows": list(range(N, N + 64))},
         {"name": "bench_64x16_nocache", "kwargs": {**greedy, "use_cache": False}, "rows": list(range(N, N + 64))},
     ]
@@ -193,6 +204,36 @@ def test_eos_stops_and_max_new_tokens_caps(tp1, setup):
     assert any(tp1["greedy_eos"]["ended_with_eos"]), "the trained model should emit its EOS on some prompt"
 
 
+def test_samples_of_one_prompt_share_its_prefill(tp1):
+    """Rows 4 x prompt 1 + 4 x prompt 2: prefilled once per prompt, the cache rows copied; the same tokens and
+    log-probs as the reference path (which recomputes every row), and the samples of a prompt differ."""
+    shared, ref = tp1["samples_shared"], tp1["samples_shared_nocache"]
+    assert shared["tokens"] == ref["tokens"]
+    _close(shared["logprobs"], ref["logprobs"], 1e-5)
+    assert len({tuple(t) for t in shared["tokens"][:4]}) > 1 and len({tuple(t) for t in shared["tokens"][4:]}) > 1
+
+
+def test_finished_rows_are_dropped_from_the_step(tp1):
+    """Row 0's first token made the stop id: rows stop at different steps, and once half of them have, the cached path
+    compacts the batch to the rows still running; it gives what the reference path gives (tokens, stop flags,
+    log-probs)."""
+    early, ref = tp1["finish_early"], tp1["finish_early_nocache"]
+    assert early["tokens"] == ref["tokens"] and early["ended_with_eos"] == ref["ended_with_eos"]
+    _close(early["logprobs"], ref["logprobs"], 1e-5)
+    lengths = sorted(len(t) for t in early["tokens"])
+    assert lengths[0] == 1 and lengths[N // 2] < lengths[-1], lengths  # half done while some still run
+    assert early["engine"]["compactions"] > tp1["greedy_cap"]["engine"]["compactions"]
+
+
+def test_the_kept_cache_sees_weights_changed_in_place(tp1):
+    """The engine (cache, buffers) is built once per model and kept across calls; a weight update in place reaches
+    it without a rebuild."""
+    assert tp1["perturbed"]["tokens"] == tp1["perturbed_nocache"]["tokens"]
+    _close(tp1["perturbed"]["logprobs"], tp1["perturbed_nocache"]["logprobs"], 1e-5)
+    assert tp1["perturbed"]["tokens"] != tp1["greedy"]["tokens"]
+    assert tp1["greedy"]["engine"]["allocations"] == tp1["perturbed"]["engine"]["allocations"]
+
+
 def test_throughput_64_prompts(tp1):
     """Reported, not asserted: tokens/s for 64 prompts x 16 new tokens (printed with -s)."""
     for case in ("bench_64x16", "bench_64x16_nocache"):
@@ -258,3 +299,49 @@ def test_sampler_filters_and_guards():
         """
     )
     assert "OK" in out
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_on_a_gpu(setup):
+    """On a GPU (fp32): the captured decode step gives bit for bit what the same step gives eagerly (64 rows stopping
+    at EOS at different steps, greedy, sampled, shared prefills, weights changed in place), and the tokens of the
+    full-recompute reference. The cache is allocated once; graphs are captured at the first call that needs a width
+    and replayed after, also after the weights change in place; finished rows are dropped to smaller graphs."""
+    tok = setup["tok"]
+    greedy = {"max_new_tokens": NEW, "eos_id": None, "pad_id": tok.pad_id, "greedy": True}
+    sample = {"max_new_tokens": NEW, "eos_id": None, "pad_id": tok.pad_id, "temperature": 1.0, "seed": 5}
+    rows64 = list(range(N, N + 64))
+    specs = [
+        ("rows64", {**greedy, "max_new_tokens": 40, "eos_id": tok.eos_id}, rows64, {}),  # first: allocates the cache
+        ("greedy", greedy, list(range(N)), {}),
+        ("sample", sample, list(range(N)), {}),
+        ("samples_shared", sample, [1] * 4 + [2] * 4, {}),
+        ("perturbed", greedy, list(range(N)), {"perturb": True}),
+    ]
+    cases = []
+    for name, kwargs, rows, extra in specs:
+        cases.append({"name": name, "kwargs": kwargs, "rows": rows, **extra})
+        cases.append({"name": name + "_eager", "kwargs": {**kwargs, "cuda_graphs": False}, "rows": rows})
+        cases.append({"name": name + "_nocache", "kwargs": {**kwargs, "use_cache": False}, "rows": rows})
+    out = _run(setup, "gpu", 1, cases, [])
+    for name, *_ in specs:
+        graphs, eager, ref = out[name], out[name + "_eager"], out[name + "_nocache"]
+        assert graphs["tokens"] == eager["tokens"] and graphs["logprobs"] == eager["logprobs"], name
+        assert graphs["tokens"] == ref["tokens"], name
+        _close(graphs["logprobs"], ref["logprobs"], 1e-4)
+    engine = {name: out[name]["engine"] for name in out if isinstance(out[name], dict) and "engine" in out[name]}
+    assert len({e["allocations"] for e in engine.values()}) == 1  # one cache for every call
+    # Rows are checked every 8 steps and compacted when the running ones fit a graph of half the width.
+    width = lambda rows: min(64, max(8, 1 << (rows - 1).bit_length()))  # noqa: E731
+    lengths, n, expected = [len(t) for t in out["rows64"]["tokens"]], 64, 0
+    for step in range(8, 41, 8):
+        left = sum(length > step for length in lengths)
+        if left == 0:
+            break
+        if width(left) <= width(n) // 2:
+            expected, n = expected + 1, left
+    assert engine["rows64"]["compactions"] == expected, (lengths, engine["rows64"])
+    assert engine["rows64"]["captures"] >= 1 + expected
+    assert out["perturbed"]["tokens"] != out["greedy"]["tokens"]
+    assert engine["perturbed"]["captures"] == engine["samples_shared_nocache"]["captures"]  # no capture for new weights
+    print({name: (e["captures"], e["compactions"]) for name, e in engine.items()}, lengths)

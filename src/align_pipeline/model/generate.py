@@ -14,17 +14,19 @@ How it works:
   ids count real tokens only, which matters for learned absolute positions; Megatron applies RoPE by column index,
   and a per-row constant shift does not change RoPE attention scores (they are relative), so left padding leaves
   the result unchanged (tested: batched == one prompt at a time).
-* **KV cache.** Megatron's own :class:`StaticInferenceContext` passed as ``inference_context=`` to
-  ``GPTModel.forward``: the attention layers keep keys/values in ``[max_seq, b, groups, head_dim]`` buffers and slice
-  RoPE by ``sequence_len_offset``. One prefill forward over the padded prompts, then one token per forward.
-  ``use_cache=False`` recomputes the full sequence every step (the reference path for tests).
+* **KV cache.** A static cache kept on the model (:mod:`~align_pipeline.model.decode`): identical prompts (several
+  samples per prompt) are prefilled once, then each step feeds one column; on a GPU the step is a captured CUDA graph.
+  Every few steps the rows that have emitted a stop id are dropped (the step runs on a smaller graph once half of
+  them are done). ``use_cache=False`` recomputes the full sequence every step (the reference path for tests).
+* **Sampling** draws one uniform per row of the whole batch per step, so a row's tokens do not depend on which other
+  rows were still running (the cached and the reference path sample the same tokens).
 * **Tensor parallelism.** Logits are gathered over TP (``runtime_gather_output=True``), so every TP rank holds the same
   full-vocab logits and the same seeded generator; the chosen tokens are still broadcast from TP rank 0 so ranks can
   never drift apart. Pipeline parallelism is not supported.
-* **Attention backends.** Needs a core attention that honours an explicit mask: ``sdpa`` (:class:`SDPAttention`) or
-  Megatron's ``local`` one. Transformer Engine's ignores the mask under a causal mask type, so under TE's layer spec
-  each layer's core attention is swapped for :class:`SDPAttention` for the duration of the call (TE's fused linear
-  layers and norms keep running).
+* **Attention backends.** The cached path swaps every layer's core attention for the cache's own (SDPA) during the
+  call. The reference path needs a core attention that honours an explicit mask: ``sdpa`` (:class:`SDPAttention`)
+  or Megatron's ``local`` one; Transformer Engine's ignores the mask under a causal mask type, so under TE's layer
+  spec it is swapped for :class:`SDPAttention` for the call (TE's fused linear layers and norms keep running).
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
-from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from align_pipeline.model.attention import SDPAttention
+from align_pipeline.model.decode import decode_engine
 
 
 @dataclass
@@ -71,6 +73,7 @@ def generate(
     greedy: bool = False,
     seed: int = 0,
     use_cache: bool = True,
+    cuda_graphs: bool = True,
     tp_group=None,
 ) -> Generation:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
@@ -93,7 +96,10 @@ def generate(
         greedy: argmax instead of sampling (ignores temperature/top-k/top-p).
         seed: seeds the ``torch.Generator`` of the sampler; the same seed gives the same tokens. Give data-parallel
             ranks different seeds if they should sample independently.
-        use_cache: KV cache (Megatron's static inference context); False recomputes the whole sequence every step.
+        use_cache: static KV cache (:mod:`~align_pipeline.model.decode`, kept on the model between calls); False
+            recomputes the whole sequence every step (the reference path).
+        cuda_graphs: on a GPU, replay each decode step as a captured CUDA graph (captured at the first call that
+            needs a given width, reused after); False runs the same step eagerly. Ignored on the CPU.
         tp_group: the tensor-parallel group (default: the model's ``pg_collection.tp``); tokens are broadcast from
             its rank 0.
 
@@ -117,7 +123,6 @@ def generate(
         raise ValueError(f"vocab_size {vocab_size} exceeds the model's embedding rows {gpt.vocab_size}")
     b = len(prompts)
     prompt_len = max(len(p) for p in prompts)
-    padded = any(len(p) < prompt_len for p in prompts)
     if tp_group is None:
         tp_group = gpt.pg_collection.tp
     broadcast_src = tdist.get_global_rank(tp_group, 0) if tp_group is not None and tp_group.size() > 1 else None
@@ -130,54 +135,150 @@ def generate(
         tokens[i, prompt_len - len(p) : prompt_len] = torch.tensor(p, dtype=torch.long, device=device)
         real[i, prompt_len - len(p) :] = True
     positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # [b, T] position of each token within its own row
-    logprobs = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device)  # [b, N]
-    done = torch.zeros(b, dtype=torch.bool, device=device)  # [b] row has emitted EOS
-    context = StaticInferenceContext(max_batch_size=b, max_sequence_length=total) if use_cache else None
-    generator = torch.Generator(device=device).manual_seed(seed)
+    state = _Decoding(
+        tokens=tokens, real=real, positions=positions, prompt_len=prompt_len,
+        logprobs=torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device),  # [b, N]
+        done=torch.zeros(b, dtype=torch.bool, device=device),  # [b] row has emitted a stop id
+        stop=torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id or ())), dtype=torch.long,
+                          device=device),  # [k] stop ids
+        sampler=_Sampler(vocab_size, temperature, top_k, top_p, greedy,
+                         torch.Generator(device=device).manual_seed(seed), pad_id, broadcast_src, tp_group, b),
+    )
+    with _inference_mode(model, gpt):
+        if max_new_tokens == 0:
+            steps = 0
+        elif use_cache:
+            steps = _decode_cached(gpt, prompts, state, max_new_tokens, cuda_graphs)
+        else:
+            with _mask_honouring_attention(gpt):
+                steps = _decode_recompute(gpt, state, max_new_tokens)
 
-    stop = torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id or ())), dtype=torch.long,
-                        device=device)  # [k] stop ids
-    steps = 0
-    with _inference_mode(model, gpt), _mask_honouring_attention(gpt):
-        for step in range(max_new_tokens):
-            end = prompt_len + step  # columns [0, end) are known; this step predicts column `end`
-            start = 0 if context is None or step == 0 else end - 1  # with the cache, only the new column is fed
-            # [b, 1, sq, end] True = masked out; without padding the core attention's own causal mask suffices
-            mask = _attention_mask(real[:, :end], end - start) if padded else None
-            logits = gpt(
-                tokens[:, start:end].contiguous(),  # [b, sq]
-                positions[:, start:end].contiguous(),  # [b, sq]
-                mask,
-                inference_context=context,
-                runtime_gather_output=True,
-            )  # [b, sq or 1, V_padded], full vocab on every TP rank
-            logits = logits[:, -1, :vocab_size].float()  # [b, V] next-token logits, padded vocab rows dropped
-            if context is not None:
-                context.sequence_len_offset += end - start
-                context.enable_decode_mode()
-
-            next_token = sample_next_token(
-                logits, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, generator=generator
-            )  # [b]
-            if broadcast_src is not None:  # TP ranks hold identical logits; make identical tokens a guarantee
-                tdist.broadcast(next_token, src=broadcast_src, group=tp_group)
-            next_token = torch.where(done, torch.full_like(next_token, pad_id), next_token)  # [b] finished rows idle
-            logprobs[:, step] = F.log_softmax(logits, dim=-1).gather(1, next_token.unsqueeze(1)).squeeze(1)  # [b]
-            tokens[:, end] = next_token
-            steps = step + 1
-            if len(stop):
-                done |= torch.isin(next_token, stop)
-            if bool(done.all()):
-                break
-
+    tokens, logprobs = state.tokens, state.logprobs
     out = Generation(tokens=[], ended_with_eos=[], logprobs=[])
-    stop_ids = set(stop.tolist())
+    stop_ids = set(state.stop.tolist())
     for row, row_lp in zip(tokens[:, prompt_len : prompt_len + steps].tolist(), logprobs[:, :steps].tolist()):
         n = next((j + 1 for j, t in enumerate(row) if t in stop_ids), None)  # cut after the first stop id
         out.tokens.append(row[: n or len(row)])
         out.logprobs.append(row_lp[: n or len(row)])
         out.ended_with_eos.append(n is not None)
     return out
+
+
+@dataclass
+class _Sampler:
+    """Picks each step's tokens: the same on every TP rank (broadcast from TP rank 0), a pad for finished rows."""
+
+    vocab_size: int
+    temperature: float
+    top_k: int
+    top_p: float
+    greedy: bool
+    generator: torch.Generator
+    pad_id: int
+    broadcast_src: int | None
+    tp_group: object
+    batch: int  # rows of the whole batch
+
+    def __call__(self, logits: torch.Tensor, done: torch.Tensor, rows: torch.Tensor | None):
+        """logits [n, V_padded] of the rows ``rows`` (None: every row, in order), done [n] -> (tokens [n], their
+        plain log-probs [n]). One uniform is drawn for *every* row of the batch per step, so a row's random stream
+        does not depend on which rows were still being computed."""
+        logits = logits[:, : self.vocab_size].float()  # [n, V] padded vocab rows dropped
+        u = None
+        if not (self.greedy or self.temperature == 0.0):
+            u = torch.rand(self.batch, generator=self.generator, device=logits.device, dtype=torch.float64)  # [b]
+            u = u if rows is None else u[rows]
+        token = sample_next_token(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                  greedy=self.greedy, u=u)  # [n]
+        if self.broadcast_src is not None:  # TP ranks hold identical logits; make identical tokens a guarantee
+            tdist.broadcast(token, src=self.broadcast_src, group=self.tp_group)
+        token = torch.where(done, torch.full_like(token, self.pad_id), token)  # finished rows idle
+        return token, F.log_softmax(logits, dim=-1).gather(1, token.unsqueeze(1)).squeeze(1)
+
+
+@dataclass
+class _Decoding:
+    """What a decoding loop reads and fills, rows in prompt order."""
+
+    tokens: torch.Tensor  # [b, P + N] left-padded prompts, then the generated tokens
+    real: torch.Tensor  # [b, P + N] True = prompt or generated token
+    positions: torch.Tensor  # [b, P + N] position id of each column
+    prompt_len: int  # P
+    logprobs: torch.Tensor  # [b, N]
+    done: torch.Tensor  # [b]
+    stop: torch.Tensor  # [k] stop ids
+    sampler: _Sampler
+
+    def record(self, step: int, logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """Sample column P + step for ``rows`` (None: all) from their logits [n, V_padded]; returns the tokens [n]."""
+        done = self.done if rows is None else self.done[rows]
+        token, logprob = self.sampler(logits, done, rows)
+        column = self.prompt_len + step
+        if rows is None:
+            self.logprobs[:, step] = logprob
+            self.tokens[:, column] = token
+            if len(self.stop):
+                self.done |= torch.isin(token, self.stop)
+        else:
+            self.logprobs[rows, step] = logprob
+            self.tokens[rows, column] = token
+            if len(self.stop):
+                self.done[rows] = done | torch.isin(token, self.stop)
+        return token
+
+
+def _decode_recompute(gpt, s: _Decoding, max_new_tokens: int) -> int:
+    """The reference: every step a full forward over all known columns (no cache) -> steps taken."""
+    padded = not bool(s.real[:, : s.prompt_len].all())
+    for step in range(max_new_tokens):
+        end = s.prompt_len + step  # columns [0, end) are known; this step predicts column `end`
+        mask = _attention_mask(s.real[:, :end], end) if padded else None  # [b, 1, end, end] True = masked out
+        logits = gpt(s.tokens[:, :end].contiguous(), s.positions[:, :end].contiguous(), mask,
+                     runtime_gather_output=True)  # [b, end, V_padded], full vocab on every TP rank
+        s.record(step, logits[:, -1], None)
+        if len(s.stop) and bool(s.done.all()):
+            return step + 1
+    return max_new_tokens
+
+
+def _decode_cached(gpt, prompts: list[list[int]], s: _Decoding, max_new_tokens: int, cuda_graphs: bool) -> int:
+    """Static KV cache (:mod:`~align_pipeline.model.decode`): identical prompts prefilled once, then one column per
+    step over the rows still running (compacted to a smaller graph when half of them have finished) -> steps taken."""
+    b, p = len(prompts), s.prompt_len
+    first: dict[tuple[int, ...], int] = {}
+    owner = [first.setdefault(tuple(x), i) for i, x in enumerate(prompts)]  # [b] first row with the same prompt
+    unique = sorted(set(owner))
+    engine = decode_engine(gpt, b, p + max_new_tokens)
+    graphs = cuda_graphs and engine.device.type == "cuda"
+    # Check for finished rows every few steps on a GPU (each check waits for the GPU), every step on the CPU.
+    check_every = 8 if engine.device.type == "cuda" else 1
+    with engine.attached(gpt):
+        rows_u = torch.tensor(unique, device=s.tokens.device)
+        real = s.real[rows_u, :p]
+        logits = engine.prefill(gpt, s.tokens[rows_u, :p], s.positions[rows_u, :p],
+                                None if bool(real.all()) else real)  # [u, V_padded]
+        if len(unique) < b:
+            index = torch.tensor([unique.index(o) for o in owner], device=logits.device)  # [b] unique row of each
+            engine.expand(index)
+            logits = logits.index_select(0, index)
+        engine.start(p, s.positions[:, p])
+        rows, n = None, b  # rows: the prompt row of each engine row (None = identity), n of them still running
+        for step in range(max_new_tokens):
+            if step:
+                logits = engine.decode(gpt, engine.width(n), graphs)[:n]
+            engine.ids[:n] = s.record(step, logits, rows)
+            if not len(s.stop) or (step + 1) % check_every:
+                continue
+            running = ~s.done if rows is None else ~s.done[rows]  # [n]
+            left = int(running.sum())
+            if left == 0:
+                return step + 1
+            if engine.width(left) <= engine.width(n) // 2:
+                slots = running.nonzero().squeeze(1)  # [left]
+                engine.compact(slots)
+                rows = slots if rows is None else rows[slots]
+                n = left
+    return max_new_tokens
 
 
 # Module attributes that switch sequence parallelism (the list Megatron's own inference code toggles).
@@ -213,17 +314,19 @@ def sample_next_token(
     top_p: float = 1.0,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    u: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pick one token per row from ``logits`` [b, V] -> [b] (int64).
 
     Greedy (or temperature 0): argmax. Otherwise logits / temperature, then top-k, then top-p filtering, then
-    inverse-CDF sampling with one uniform per row from ``generator`` (drawn whatever the filtering, so the random
-    stream depends only on the batch size and the number of steps).
+    inverse-CDF sampling with one uniform per row: ``u`` [b] (float64 in [0, 1)) or drawn from ``generator`` (whatever
+    the filtering, so the random stream depends only on the batch size and the number of steps).
     """
     if greedy or temperature == 0.0:
         return logits.argmax(dim=-1)
     b, v = logits.shape
-    u = torch.rand(b, generator=generator, device=logits.device, dtype=torch.float64)  # [b]
+    if u is None:
+        u = torch.rand(b, generator=generator, device=logits.device, dtype=torch.float64)  # [b]
     scaled = logits.float() / temperature  # [b, V]
     if 0 < top_k < v:
         kth = scaled.topk(top_k, dim=-1).values[:, -1:]  # [b, 1]

@@ -53,7 +53,8 @@ def sample(model, prompts: list[list[int]], g: GenerationConfig, tok, vocab: int
         idx = mine[start : start + g.batch_size]
         gen = generate(model, [prompts[i] for i in idx], max_new_tokens=max_new, eos_id=tok.stop_ids,
                        pad_id=tok.pad_id, vocab_size=vocab, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                       greedy=greedy, seed=g.seed + 1000 * dist.dp_rank + start, tp_group=dist.pgs.tp)
+                       greedy=greedy, seed=g.seed + 1000 * dist.dp_rank + start, cuda_graphs=g.cuda_graphs,
+                       tp_group=dist.pgs.tp)
         out_tokens += gen.tokens
         out_logps += gen.logprobs
         out_eos += gen.ended_with_eos

@@ -62,7 +62,8 @@ def generate_rollout(policy, records: list[dict], gen: GenerationConfig, tok, vo
     for start in range(0, len(prompts), gen.batch_size):
         g = generate(policy, prompts[start : start + gen.batch_size], max_new_tokens=max_new, eos_id=tok.stop_ids,
                      pad_id=tok.pad_id, vocab_size=vocab_size, temperature=gen.temperature, top_k=gen.top_k,
-                     top_p=gen.top_p, greedy=greedy, seed=seed + start, tp_group=dist.pgs.tp)
+                     top_p=gen.top_p, greedy=greedy, seed=seed + start, cuda_graphs=gen.cuda_graphs,
+                     tp_group=dist.pgs.tp)
         tokens += g.tokens
         eos += g.ended_with_eos
     arrays = to_rows(prompts, tokens, seq_length, tok.pad_id)

@@ -1,0 +1,260 @@
+"""Static-KV-cache decoding for a Megatron-core ``GPTModel``, the decode step captured once as a CUDA graph.
+
+:func:`~align_pipeline.model.generate.generate` drives it; this module owns the state that makes one decode step
+cheap:
+
+* **Static KV cache.** Per layer one key and one value buffer ``[B, groups, S, head_dim]`` (``B`` rows, ``S``
+  columns), allocated once and kept on the model between calls (:func:`decode_engine`), so a PPO/REINFORCE job
+  allocates it at its first rollout and never again. A decode step writes its column with ``index_copy_`` at a
+  device-side column index and attends over all ``S`` columns with a boolean key mask (``keep``): every shape of the
+  step is fixed, so the step can be captured.
+* **The model's own modules.** The step calls the GPT's embedding, its decoder (every layer's norms, fused QKV,
+  QK-norm, RoPE, projection, MLP, TP all-reduces) and its output layer; only each layer's *core* attention is swapped,
+  for the duration of a call, for :class:`_CachedCoreAttention`, which reads and writes the cache. So the numbers are
+  those of a training forward (same kernels, same TP reductions), with any layer spec (local, SDPA, TE).
+* **CUDA graphs.** On a GPU the step of a given width (rows computed) is captured once into a ``torch.cuda.CUDAGraph``
+  and replayed: one launch instead of ~40 kernels per layer. Widths are buckets (``B`` and the powers of two below
+  it), so finished rows can be dropped (:meth:`DecodeEngine.compact`) and the step run on a smaller graph. The graphs
+  read the live parameter tensors: training updates them in place, so new weights need no refresh and no
+  re-capture (a changed parameter *address*, e.g. a model moved between devices, drops the graphs and recaptures).
+  TP > 1 captures the NCCL collectives inside the graph. On the CPU the same step runs eagerly.
+* **Prefill** runs eagerly (its shape changes with every batch) with the prompts left-padded to one width; it writes
+  columns ``[0, P)`` of the cache and returns the last column's logits. Identical prompts (several samples per
+  prompt) are prefilled once and their cache rows copied (:meth:`DecodeEngine.expand`).
+
+RoPE: Megatron rotates by column index (left padding shifts a row's columns, which RoPE's relative scores do not
+see), so a decode step looks up the frequencies of its column in a table built by the model's own
+``rotary_pos_emb``. Learned absolute positions use per-row position ids (real tokens before the column).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+# With graphs, decode-step widths are the engine's batch and the powers of two below it down to _MIN_WIDTH (a step of
+# fewer rows costs about as much: not worth a capture of its own).
+_MIN_WIDTH = 8
+
+
+class DecodeEngine:
+    """KV cache, step buffers and captured graphs for batches of up to ``batch`` rows and ``length`` columns."""
+
+    allocations = 0  # engines (KV caches) built in this process
+
+    def __init__(self, gpt, batch: int, length: int):
+        attention = gpt.decoder.layers[0].self_attention
+        groups = attention.num_query_groups_per_partition
+        head_dim = attention.hidden_size_per_attention_head
+        param = next(gpt.parameters())
+        device, dtype = param.device, param.dtype
+        self.batch, self.length, self.device = batch, length, device
+        n = len(gpt.decoder.layers)
+        self.keys = [torch.zeros(batch, groups, length, head_dim, dtype=dtype, device=device) for _ in range(n)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.keep = torch.zeros(batch, length, dtype=torch.bool, device=device)  # [B, S] True = key column is real
+        self.ids = torch.zeros(batch, dtype=torch.long, device=device)  # [B] token each row feeds the next step
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)  # [B] its position id
+        self.column = torch.zeros(1, dtype=torch.long, device=device)  # [1] the cache column the next step writes
+        # [S, 1, 1, rot_dim] RoPE frequencies per column, from the model's own rotary embedding
+        self.freqs = gpt.rotary_pos_emb(length) if getattr(gpt, "rotary_pos_emb", None) is not None else None
+        self.scale = gpt.config.softmax_scale or head_dim**-0.5
+        self.prefill_mask: torch.Tensor | None = None  # [u, 1, P, P] True = attend; None = plain causal
+        self.decoding = False
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.captures = 0  # graphs captured so far (tests and benchmarks read it)
+        self.capture_seconds = 0.0
+        self.compactions = 0
+        DecodeEngine.allocations += 1
+        self._weights = _parameter_addresses(gpt)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # The forward pieces
+    # ---------------------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def attached(self, gpt):
+        """Every layer's core attention reads/writes this cache for the duration of the block (restored on exit).
+        Parameters that moved since the graphs were captured drop them."""
+        addresses = _parameter_addresses(gpt)
+        if addresses != self._weights:
+            self.graphs.clear()
+            self._weights = addresses
+        swapped = []
+        for i, layer in enumerate(gpt.decoder.layers):
+            attn = layer.self_attention
+            swapped.append((attn, attn.core_attention))
+            attn.core_attention = _CachedCoreAttention(self, i)
+        try:
+            yield
+        finally:
+            for attn, core in swapped:
+                attn.core_attention = core
+
+    def _forward(self, gpt, ids: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor | None) -> torch.Tensor:
+        """ids, positions [b, sq] -> logits [b, V_padded] of the last column (full vocabulary on every TP rank)."""
+        hidden = gpt.embedding(input_ids=ids, position_ids=positions)  # [sq, b, h]
+        hidden = gpt.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=freqs)  # [sq, b, h]
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+        logits, _ = gpt.output_layer(hidden[-1:], weight=weight, runtime_gather_output=True)  # [1, b, V_padded]
+        return logits[0]
+
+    def prefill(self, gpt, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+        """Left-padded prompts ids/positions [u, P] (``real`` [u, P] True = not padding; None = no padding) -> logits
+        [u, V_padded] of column P - 1. Fills cache rows [0, u), columns [0, P)."""
+        u, p = ids.shape
+        self.decoding = False
+        self.prefill_mask = None if real is None else _prefill_keep(real)
+        self.keep[:u] = False
+        self.keep[:u, :p] = True if real is None else real
+        freqs = self.freqs[:p] if self.freqs is not None else None
+        try:
+            return self._forward(gpt, ids, positions, freqs)
+        finally:
+            self.prefill_mask = None
+
+    def expand(self, index: torch.Tensor) -> None:
+        """Rows [0, len(index)) become copies of rows ``index`` (e.g. every sample of a prompt gets its prefill)."""
+        self._reorder(index)
+
+    def start(self, column: int, positions: torch.Tensor) -> None:
+        """The next decode step writes ``column``; rows [0, b) have position ids ``positions`` [b] there."""
+        self.column.fill_(column)
+        self.positions[: len(positions)] = positions
+
+    def compact(self, slots: torch.Tensor) -> None:
+        """Rows ``slots`` (ascending) move to [0, len(slots)): the step then runs on fewer rows."""
+        self._reorder(slots)
+        self.compactions += 1
+
+    def _reorder(self, index: torch.Tensor) -> None:
+        n = len(index)
+        for buffer in (*self.keys, *self.values, self.keep, self.ids, self.positions):
+            buffer[:n] = buffer.index_select(0, index)
+
+    def width(self, rows: int) -> int:
+        """Rows a step computes to serve ``rows`` rows: exactly ``rows`` on the CPU, a bucket on a GPU (with or without
+        graphs, so both run the same kernels on the same shapes and agree bit for bit)."""
+        if self.device.type != "cuda":
+            return rows
+        return min(self.batch, max(_MIN_WIDTH, 1 << (rows - 1).bit_length()))
+
+    def decode(self, gpt, width: int, graphs: bool) -> torch.Tensor:
+        """One step over rows [0, width): feeds ``ids`` at the current column, then advances it -> logits
+        [width, V_padded] (with ``graphs``, a captured graph's output buffer: read it before the next step)."""
+        if graphs:
+            graph = self.graphs.get(width)
+            if graph is None:
+                graph = self.graphs[width] = self._capture(gpt, width)
+            graph[0].replay()
+            logits = graph[1]
+        else:
+            logits = self._step(gpt, width)
+        self.column += 1
+        self.positions += 1
+        return logits
+
+    def _step(self, gpt, width: int) -> torch.Tensor:
+        self.decoding = True
+        self.keep[:width].index_fill_(1, self.column, True)  # the column this step writes
+        freqs = self.freqs.index_select(0, self.column) if self.freqs is not None else None  # [1, 1, 1, rot_dim]
+        return self._forward(gpt, self.ids[:width, None], self.positions[:width, None], freqs)
+
+    def _capture(self, gpt, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the step of ``width`` rows. The warm-up runs write the current column, which the replay that
+        follows rewrites, so capturing leaves no trace in the results."""
+        import time
+
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # kernel selection, cuBLAS workspaces, NCCL set-up: before capture
+                self._step(gpt, width)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._step(gpt, width)
+        torch.cuda.synchronize(self.device)
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - t0
+        return graph, logits
+
+
+class _CachedCoreAttention(torch.nn.Module):
+    """Core attention of layer ``index`` against the engine's cache. query [sq, b, np, hn], key/value [sq, b, ng, hn]
+    (RoPE applied) -> context [sq, b, np*hn]. Prefill (sq = P): writes columns [0, P) and attends causally among them
+    (with the engine's padding mask). Decode (sq = 1): writes the current column and attends over every column
+    ``keep`` marks."""
+
+    def __init__(self, engine: DecodeEngine, index: int):
+        super().__init__()
+        self.engine, self.index = engine, index
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        e = self.engine
+        sq, b, np_, hn = query.shape
+        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+        k = key.permute(1, 2, 0, 3)  # [b, ng, sq, hn]
+        v = value.permute(1, 2, 0, 3)
+        gqa = np_ != k.shape[1]
+        if e.decoding:
+            k_cache, v_cache = e.keys[self.index][:b], e.values[self.index][:b]  # [b, ng, S, hn]
+            k_cache.index_copy_(2, e.column, k)
+            v_cache.index_copy_(2, e.column, v)
+            mask = e.keep[:b, None, None, :]  # [b, 1, 1, S]
+            context = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=e.scale,
+                                                     enable_gqa=gqa)
+        else:
+            e.keys[self.index][:b, :, :sq] = k
+            e.values[self.index][:b, :, :sq] = v
+            mask = e.prefill_mask
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=e.scale,
+                                                     enable_gqa=gqa)
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, np*hn]
+
+
+def _prefill_keep(real: torch.Tensor) -> torch.Tensor:
+    """[u, 1, P, P] True = attend: causal among real columns, and every query to itself (a padding query's softmax row
+    is never empty: NaN would spread through later layers)."""
+    p = real.shape[1]
+    col = torch.arange(p, device=real.device)
+    causal = col[None, :] <= col[:, None]  # [P, P]
+    return (causal & real[:, None, None, :]) | torch.eye(p, dtype=torch.bool, device=real.device)
+
+
+def _parameter_addresses(gpt) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for p in gpt.parameters())
+
+
+_ROUND = 64  # cache columns are allocated in multiples of this (fewer re-allocations across calls)
+
+
+def decode_engine(gpt, batch: int, length: int) -> DecodeEngine:
+    """The engine kept on ``gpt`` for batches of ``batch`` rows and ``length`` columns: reused when large enough
+    (same dtype and device), else replaced by one at least as large as both (its cache freed first)."""
+    engine: DecodeEngine | None = getattr(gpt, "_align_decode_engine", None)
+    param = next(gpt.parameters())
+    if (engine is not None and engine.batch >= batch and engine.length >= length
+            and engine.keys[0].dtype == param.dtype and engine.device == param.device):
+        return engine
+    if engine is not None:
+        batch, length = max(batch, engine.batch), max(length, engine.length)
+        release_decode_engine(gpt)
+    length = -(-length // _ROUND) * _ROUND
+    engine = DecodeEngine(gpt, batch, length)
+    object.__setattr__(gpt, "_align_decode_engine", engine)
+    return engine
+
+
+def release_decode_engine(model) -> None:
+    """Free the KV cache and graphs kept on ``model`` (or the GPT inside a wrapper)."""
+    while hasattr(model, "module"):
+        model = model.module
+    if getattr(model, "_align_decode_engine", None) is not None:
+        object.__setattr__(model, "_align_decode_engine", None)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
