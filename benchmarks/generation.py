@@ -135,7 +135,41 @@ def rate(name: str, walls: list[float], prefill: float, batch: int, new: int) ->
             "ms_per_step": 1000 * max(wall - prefill, 0.0) / max(new - 1, 1)}
 
 
-def run_shape(name: str, root: Path, repeats: int, dist) -> dict[str, Any]:
+def decode_profile(call, steps: int = 32, top: int = 12) -> dict[str, Any]:
+    """The GPU kernels of one decode step of ``call(n)`` (a generation of ``n`` new tokens): a call of ``steps + 1``
+    tokens minus one of 1 token (the prefill and first sample), divided by ``steps``. Kernels replayed from a CUDA
+    graph are recorded by CUPTI like launched ones. Without a GPU: the CPU operators (self time; a smoke test)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available()
+
+    def kernels(n: int) -> dict[str, tuple[int, float]]:
+        call(n)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+            call(n)
+            sync()
+        out = {}
+        for e in prof.key_averages():
+            us = getattr(e, "device_time_total", 0.0) if gpu else e.self_cpu_time_total
+            if us > 0:
+                out[e.key] = (e.count, us)
+        return out
+
+    short, long = kernels(1), kernels(steps + 1)
+    per_step = {}
+    for key, (count, us) in long.items():
+        c0, us0 = short.get(key, (0, 0.0))
+        if count > c0:
+            per_step[key] = ((count - c0) / steps, max(us - us0, 0.0) / steps)
+    ranked = sorted(per_step.items(), key=lambda kv: -kv[1][1])
+    return {"kernels_per_step": sum(c for c, _ in per_step.values()),
+            "kernel_ms_per_step": sum(us for _, us in per_step.values()) / 1000,
+            "top": [{"kernel": k[:90], "per_step": c, "us_per_step": us} for k, (c, us) in ranked[:top]]}
+
+
+def run_shape(name: str, root: Path, repeats: int, dist, profile: bool = False) -> dict[str, Any]:
     """Every generator on one shape; HF directories are written under ``root``."""
     import dataclasses
 
@@ -145,7 +179,7 @@ def run_shape(name: str, root: Path, repeats: int, dist) -> dict[str, Any]:
     from align_pipeline.config import ModelConfig, ParallelConfig
     from align_pipeline.model import init
     from align_pipeline.model.decode import _parameter_addresses
-    from align_pipeline.model.generate import generate
+    from align_pipeline.model.generate import generate, prepare_generation
 
     spec = SHAPES[name]
     batch, plen, new = spec["batch"], spec["prompt"], spec["new"]
@@ -169,10 +203,13 @@ def run_shape(name: str, root: Path, repeats: int, dist) -> dict[str, Any]:
         return generate(gpt, prompts, max_new_tokens=n, eos_id=None, pad_id=0, vocab_size=vocab, greedy=greedy,
                         seed=seed, cuda_graphs=graphs)
 
-    # Cold: the first call of the process for this model (graph capture, kernel selection, cache allocation).
-    cold, first = timed(lambda: ours(), 1)
+    # One-off set-up as a rollout job runs it before its first rollout (cache allocation, a graph per batch width,
+    # prefill and sampling kernels loaded), then the first call of the process for this model (cold).
+    setup = prepare_generation(gpt, batch=batch, length=plen + new, prompt_len=plen, vocab_size=vocab, pad_id=0)
     engine = gpt._align_decode_engine
-    result["cold_s"], result["capture_s"], result["captures_cold"] = cold[0], engine.capture_seconds, engine.captures
+    result["setup_s"], result["capture_s"], result["captures"] = setup["setup_s"], setup["capture_s"], engine.captures
+    cold, _ = timed(lambda: ours(), 1)
+    result["cold_s"] = cold[0]
     pre = prefill_seconds(lambda: ours(n=1), repeats)
     walls, gen = timed(lambda: ours(), repeats)
     result["rows"].append(rate("ours", walls, pre, batch, new))
@@ -181,6 +218,10 @@ def run_shape(name: str, root: Path, repeats: int, dist) -> dict[str, Any]:
     result["rows"].append(rate("ours_greedy", walls, pre, batch, new))
     walls, _ = timed(lambda: ours(graphs=False), repeats)
     result["rows"].append(rate("ours_eager", walls, pre, batch, new))
+
+    if profile:
+        result["profile"] = {"ours": decode_profile(lambda n: ours(n=n)),
+                             "ours_eager": decode_profile(lambda n: ours(n=n, graphs=False))}
 
     # Weight refresh: an in-place update of every parameter (what an optimizer step does), then a call.
     t0 = time.perf_counter()
@@ -202,7 +243,7 @@ def run_shape(name: str, root: Path, repeats: int, dist) -> dict[str, Any]:
     pre_b = prefill_seconds(lambda: megatron_kv_generate(gpt, prompts_t, 1, vocab, False, 0), max(1, repeats // 2))
     walls, _ = timed(lambda: megatron_kv_generate(gpt, prompts_t, new, vocab, False, 0), max(1, repeats // 2))
     result["rows"].append(rate("megatron_kv", walls, pre_b, batch, new))
-    del gpt, engine
+    gpt = engine = None  # frees the GPU memory for the HF model
 
     # ---- transformers on the same weights
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
@@ -231,6 +272,8 @@ def run_shape(name: str, root: Path, repeats: int, dist) -> dict[str, Any]:
         walls, _ = timed(lambda: hf_gen(static=True, greedy=True), repeats)
         result["rows"].append(rate("hf_static_compile_greedy", walls, pre_s, batch, new))
         result["hf_compiled"] = hasattr(hf, "_compiled_call") or any("compile" in k for k in vars(hf))
+        if profile:
+            result["profile"]["hf_static_compile"] = decode_profile(lambda n: hf_gen(n=n, static=True))
     except Exception as e:  # noqa: BLE001 -- report the peer's failure instead of losing the other figures
         result["hf_static_compile_error"] = f"{type(e).__name__}: {e}"
 
@@ -242,7 +285,7 @@ def run_shape(name: str, root: Path, repeats: int, dist) -> dict[str, Any]:
     diff = (hf_lp - torch.tensor(gen.logprobs, device=device)).abs()
     result["logprob_vs_hf"] = {"mean_abs": diff.mean().item(), "max_abs": diff.max().item(),
                                "mean_logprob": hf_lp.mean().item()}
-    del hf
+    hf = None
     by = {r["generator"]: r for r in result["rows"]}
     if "hf_static_compile" in by:
         result["ours_over_hf_static_compile"] = by["ours"]["tokens_per_s"] / by["hf_static_compile"]["tokens_per_s"]
@@ -254,23 +297,33 @@ def markdown(r: dict[str, Any]) -> str:
     lines = [f"### Rollout generation: ours vs HF `generate` ({r['date']}, {r['device']})", "",
              f"`{r['command']}`; {r['versions']}.", ""]
     for s in r["shapes"]:
-        lines += [f"**{s['shape']}** — {s['parameters'] / 1e6:.0f}M parameters, batch {s['batch']} x prompt "
-                  f"{s['prompt']}, {s['new']} new tokens, bf16, sampling T=1 unless `greedy`", "",
+        lines += [(f"**{s['shape']}** — {s['parameters'] / 1e6:.0f}M parameters, batch {s['batch']} x prompt "
+                   f"{s['prompt']}, {s['new']} new tokens, bf16, sampling T=1 unless `greedy`"), "",
                   "| generator | generated tok/s | ms per decode step | wall s (median) |", "|---|---|---|---|"]
         for row in s["rows"]:
             lines.append(f"| {row['generator']} | {row['tokens_per_s']:,.0f} | {row['ms_per_step']:.2f} | "
-                         f"{row['wall_s']:.3f} |")
-        lines += ["", f"- ours / HF static+compile: **{s.get('ours_over_hf_static_compile', float('nan')):.2f}x**; "
-                      f"ours / before (megatron_kv): **{s['ours_over_megatron_kv']:.2f}x**",
-                  f"- first call {s['cold_s']:.2f} s = {s['warm_over_cold']:.2f}x a warm one, of which graph capture "
-                  f"{s['capture_s']:.2f} s ({s['captures_cold']} graphs); HF static+compile first call "
-                  f"{s.get('hf_static_compile_cold_s', float('nan')):.1f} s",
-                  f"- weight update in place, then a call: {s['after_update_s']:.3f} s, re-captured: "
-                  f"{s['recaptured_after_update']}, tokens changed: {s['update_changed_tokens']} (address check "
-                  f"{s['refresh_check_ms']:.3f} ms)",
-                  f"- log-probs ours reported vs HF teacher-forced on the same sampled tokens: mean |Δ| "
-                  f"{s['logprob_vs_hf']['mean_abs']:.4f}, max {s['logprob_vs_hf']['max_abs']:.3f} nats (mean "
-                  f"log-prob {s['logprob_vs_hf']['mean_logprob']:.2f})", ""]
+                         + f"{row['wall_s']:.3f} |")
+        lines += ["", (f"- ours / HF static+compile: **{s.get('ours_over_hf_static_compile', float('nan')):.2f}x**; "
+                       f"ours / before (megatron_kv): **{s['ours_over_megatron_kv']:.2f}x**"),
+                  (f"- one-off set-up {s['setup_s']:.2f} s, of which graph capture {s['capture_s']:.2f} s "
+                   f"({s['captures']} graphs); then the first call {s['cold_s']:.3f} s = {s['warm_over_cold']:.2f}x "
+                   f"a warm one; HF static+compile first call {s.get('hf_static_compile_cold_s', float('nan')):.1f} s"),
+                  (f"- weight update in place, then a call: {s['after_update_s']:.3f} s, re-captured: "
+                   f"{s['recaptured_after_update']}, tokens changed: {s['update_changed_tokens']} (address check "
+                   f"{s['refresh_check_ms']:.3f} ms)"),
+                  (f"- log-probs ours reported vs HF teacher-forced on the same sampled tokens: mean |Δ| "
+                   f"{s['logprob_vs_hf']['mean_abs']:.4f}, max {s['logprob_vs_hf']['max_abs']:.3f} nats (mean "
+                   f"log-prob {s['logprob_vs_hf']['mean_logprob']:.2f})"), ""]
+        if "profile" in s:
+            lines += [("Profile of one decode step (CUPTI, kernels inside CUDA graphs included; a 33-token call minus "
+                       "a 1-token call, per step):"), "",
+                      "| generator | kernels per step | kernel time per step (ms) | top kernels (us per step, calls) |",
+                      "|---|---|---|---|"]
+            for gen, prof in s["profile"].items():
+                tops = "; ".join(f"`{t['kernel'][:48]}` {t['us_per_step']:.0f} ({t['per_step']:.0f})"
+                                 for t in prof["top"][:5])
+                lines.append(f"| {gen} | {prof['kernels_per_step']:.0f} | {prof['kernel_ms_per_step']:.2f} | {tops} |")
+            lines.append("")
         if "hf_static_compile_error" in s:
             lines += [f"- HF static+compile failed: `{s['hf_static_compile_error']}`", ""]
     return "\n".join(lines)
@@ -281,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", nargs="+", default=["350m_b64", "350m_b256", "1b_b64"], choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one decode step of ours (graphs and eager) and of HF static+compile")
     parser.add_argument("--work", type=Path, default=None, help="where the HF directories go (default: --out)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -292,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {"date": datetime.date.today().isoformat(), "device": device_name(), "versions": versions(),
               "command": "python benchmarks/generation.py " + " ".join(argv or sys.argv[1:]), "shapes": []}
     for name in args.shapes:
-        report["shapes"].append(run_shape(name, args.work or args.out, args.repeats, dist))
+        report["shapes"].append(run_shape(name, args.work or args.out, args.repeats, dist, args.profile))
         (args.out / "generation.json").write_text(json.dumps(report, indent=1))
         print(json.dumps({k: v for k, v in report["shapes"][-1].items() if k != "rows"}), flush=True)
         for row in report["shapes"][-1]["rows"]:

@@ -13,8 +13,10 @@ rows: several stop ids; with the case's own ``eos_id``: all are stop ids); ``per
 weight by 1.5 in place before the case (as an optimizer step changes weights; later cases see it too); ``score`` adds ``scored_logprobs``, the generated
 tokens' log-probs from a plain training-style forward (one unpadded row, no mask, no cache). Each of ``variants``
 runs its cases (default all) again as ``<prefix><name>`` on a model built with those ParallelConfig / ModelConfig
-overrides (e.g. sequence parallelism, Megatron's local attention); ``mask_ignoring_core_attention`` replaces every
-layer's core attention by :class:`MaskIgnoringAttention` (Transformer Engine's behaviour under a causal mask).
+overrides (e.g. sequence parallelism, Megatron's local attention), after :func:`prepare_generation` with the
+variant's ``prepare`` kwargs if it has them (its figures: ``<prefix>prepare``); ``mask_ignoring_core_attention``
+replaces every layer's core attention by :class:`MaskIgnoringAttention` (Transformer Engine's behaviour under a
+causal mask).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from align_pipeline.config import ModelConfig, ParallelConfig, from_dict
 from align_pipeline.model import init
 from align_pipeline.model.decode import DecodeEngine
-from align_pipeline.model.generate import generate
+from align_pipeline.model.generate import generate, prepare_generation
 from align_pipeline.model.gpt import build_gpt
 from align_pipeline.model.sequences import position_ids
 from align_pipeline.train.core.distributed import init_distributed, shutdown
@@ -151,6 +153,9 @@ def main() -> None:
         source.load(model)
         if variant.get("mask_ignoring_core_attention"):
             results[variant["prefix"] + "stand_in_is_causal"] = install_mask_ignoring_attention(model)
+        if variant.get("prepare"):  # the one-off set-up a rollout job runs first
+            results[variant["prefix"] + "prepare"] = prepare_generation(model, vocab_size=cfg["vocab_size"],
+                                                                        **variant["prepare"])
         before = sequence_parallel_switches(model)
         cores = [type(layer.self_attention.core_attention) for layer in model.decoder.layers]
         results.update(run_cases(model, cfg, variant["prefix"], variant.get("cases")))

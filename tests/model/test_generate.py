@@ -234,6 +234,32 @@ def test_the_kept_cache_sees_weights_changed_in_place(tp1):
     assert tp1["greedy"]["engine"]["allocations"] == tp1["perturbed"]["engine"]["allocations"]
 
 
+def test_decode_rope_is_megatrons_rope_bit_for_bit():
+    """The cached attention's RoPE (cos/sin tables made once, query and key in one tensor) gives exactly what
+    Megatron's own application gives, in bf16 and fp32, for a prefill and for one decode column."""
+    import types
+
+    import torch
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from align_pipeline.model.decode import DecodeEngine
+
+    torch.manual_seed(0)
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))  # head_dim 16
+    freqs = torch.outer(torch.arange(40).float(), inv)
+    freqs = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # [S, 1, 1, 16], Megatron's layout
+    for dtype in (torch.bfloat16, torch.float32):
+        cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+        sin_signed = torch.cat((-sin[..., :8], sin[..., 8:]), dim=-1)
+        for cols in (slice(0, 40), slice(23, 24)):  # prefill; the decode step at column 23
+            sq = cols.stop - cols.start
+            q, k = torch.randn(sq, 3, 4, 16, dtype=dtype), torch.randn(sq, 3, 2, 16, dtype=dtype)  # [sq, b, heads, hn]
+            engine = types.SimpleNamespace(rope_cos=cos[cols], rope_sin=sin_signed[cols])
+            ours_q, ours_k = DecodeEngine.apply_rope(engine, q, k)
+            assert torch.equal(ours_q, _apply_rotary_pos_emb_bshd(q, freqs[cols])), dtype
+            assert torch.equal(ours_k, _apply_rotary_pos_emb_bshd(k, freqs[cols])), dtype
+
+
 def test_throughput_64_prompts(tp1):
     """Reported, not asserted: tokens/s for 64 prompts x 16 new tokens (printed with -s)."""
     for case in ("bench_64x16", "bench_64x16_nocache"):
@@ -306,7 +332,9 @@ def test_cuda_graph_decode_on_a_gpu(setup):
     """On a GPU (fp32): the captured decode step gives bit for bit what the same step gives eagerly (64 rows stopping
     at EOS at different steps, greedy, sampled, shared prefills, weights changed in place), and the tokens of the
     full-recompute reference. The cache is allocated once; graphs are captured at the first call that needs a width
-    and replayed after, also after the weights change in place; finished rows are dropped to smaller graphs."""
+    and replayed after, also after the weights change in place; finished rows are dropped to smaller graphs. Then
+    the same after the one-off set-up a rollout job runs first: every width captured before the first call, none
+    during any call."""
     tok = setup["tok"]
     greedy = {"max_new_tokens": NEW, "eos_id": None, "pad_id": tok.pad_id, "greedy": True}
     sample = {"max_new_tokens": NEW, "eos_id": None, "pad_id": tok.pad_id, "temperature": 1.0, "seed": 5}
@@ -323,16 +351,25 @@ def test_cuda_graph_decode_on_a_gpu(setup):
         cases.append({"name": name, "kwargs": kwargs, "rows": rows, **extra})
         cases.append({"name": name + "_eager", "kwargs": {**kwargs, "cuda_graphs": False}, "rows": rows})
         cases.append({"name": name + "_nocache", "kwargs": {**kwargs, "use_cache": False}, "rows": rows})
-    out = _run(setup, "gpu", 1, cases, [])
+    longest = max(len(setup["prompts"][i]) for _, _, rows, _ in specs for i in rows)
+    prepared = {"prefix": "prepared_", "prepare": {"batch": 64, "length": longest + 40, "prompt_len": longest,
+                                                        "pad_id": tok.pad_id}}
+    out = _run(setup, "gpu", 1, cases, [prepared])
+    # a fresh model prepared: every width of a 64-row batch captured up front, no capture or allocation afterwards
+    assert out["prepared_prepare"]["capture_s"] > 0, out["prepared_prepare"]
+    after = [out["prepared_" + c["name"]]["engine"] for c in cases]
+    assert {(e["captures"], e["allocations"]) for e in after} == {(4, after[0]["allocations"])}, after  # 64..8
+    for c in cases:
+        assert out["prepared_" + c["name"]]["tokens"] == out[c["name"]]["tokens"], c["name"]
     for name, *_ in specs:
         graphs, eager, ref = out[name], out[name + "_eager"], out[name + "_nocache"]
         assert graphs["tokens"] == eager["tokens"] and graphs["logprobs"] == eager["logprobs"], name
         assert graphs["tokens"] == ref["tokens"], name
         _close(graphs["logprobs"], ref["logprobs"], 1e-4)
-    engine = {name: out[name]["engine"] for name in out if isinstance(out[name], dict) and "engine" in out[name]}
+    engine = {c["name"]: out[c["name"]]["engine"] for c in cases}
     assert len({e["allocations"] for e in engine.values()}) == 1  # one cache for every call
     # Rows are checked every 8 steps and compacted when the running ones fit a graph of half the width.
-    width = lambda rows: min(64, max(8, 1 << (rows - 1).bit_length()))  # noqa: E731
+    width = lambda rows: min(64, max(8, 1 << (rows - 1).bit_length()))
     lengths, n, expected = [len(t) for t in out["rows64"]["tokens"]], 64, 0
     for step in range(8, 41, 8):
         left = sum(length > step for length in lengths)

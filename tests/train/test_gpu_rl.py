@@ -83,8 +83,10 @@ def _report(name: str, result: dict) -> None:
     for h in result["history"]:
         assert all(math.isfinite(v) for v in h.values()), h
         keys = ("timing/generate_s", "timing/score_s", "timing/train_s", "timing/iteration_s",
-                "throughput/generated_tokens_per_s", "throughput/train_tokens_per_s", "rollout/response_lengths")
-        print(f"\n[{name}] iteration {h['iteration']}: " + json.dumps({k: round(h[k], 3) for k in keys}), flush=True)
+                "throughput/generated_tokens_per_s", "throughput/train_tokens_per_s", "rollout/response_lengths",
+                "timing/decode_capture_s", "timing/decode_setup_s")  # the last two: iteration 1 only
+        print(f"\n[{name}] iteration {h['iteration']}: " + json.dumps({k: round(h[k], 3) for k in keys if k in h}),
+              flush=True)
 
 
 @pytest.mark.parametrize("offload", [False, True])

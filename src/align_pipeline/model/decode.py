@@ -24,7 +24,8 @@ cheap:
 
 RoPE: Megatron rotates by column index (left padding shifts a row's columns, which RoPE's relative scores do not
 see), so a decode step looks up the frequencies of its column in a table built by the model's own
-``rotary_pos_emb``. Learned absolute positions use per-row position ids (real tokens before the column).
+``rotary_pos_emb``; plain RoPE is applied by the cached attention itself from cos/sin tables computed once (the
+same arithmetic as Megatron's, a quarter of its kernels). Learned absolute positions use per-row position ids (real tokens before the column).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
 
 # With graphs, decode-step widths are the engine's batch and the powers of two below it down to _MIN_WIDTH (a step of
 # fewer rows costs about as much: not worth a capture of its own).
@@ -60,6 +62,22 @@ class DecodeEngine:
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # [1] the cache column the next step writes
         # [S, 1, 1, rot_dim] RoPE frequencies per column, from the model's own rotary embedding
         self.freqs = gpt.rotary_pos_emb(length) if getattr(gpt, "rotary_pos_emb", None) is not None else None
+        # Plain (non-interleaved, unfused) RoPE is applied here, to query and key together, from cos/sin tables made
+        # once: 5 kernels a layer instead of Megatron's ~24 (it recomputes cos and sin per layer and per tensor),
+        # with Megatron's exact arithmetic. Other variants keep Megatron's own application.
+        cfg = gpt.config
+        self.rope = self.freqs is not None and not (cfg.rotary_interleaved or cfg.apply_rope_fusion
+                                                    or getattr(cfg, "multi_latent_attention", False))
+        if self.rope:
+            mscale = _yarn_get_concentration_factor_from_config(cfg)
+            self.cos = (torch.cos(self.freqs) * mscale).to(dtype)  # [S, 1, 1, rot_dim]
+            sin = (torch.sin(self.freqs) * mscale).to(dtype)
+            half = sin.shape[-1] // 2
+            # rotate_half(t) * sin == cat(t2, t1) * cat(-sin1, sin2) exactly ((-x) * y == x * (-y) in IEEE)
+            self.sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            self.step_cos, self.step_sin = self.cos[:1].clone(), self.sin_signed[:1].clone()  # the decode column's
+        self.rope_cos: torch.Tensor | None = None  # the tables the current forward applies ([sq, 1, 1, rot_dim])
+        self.rope_sin: torch.Tensor | None = None
         self.scale = gpt.config.softmax_scale or head_dim**-0.5
         self.prefill_mask: torch.Tensor | None = None  # [u, 1, P, P] True = attend; None = plain causal
         self.decoding = False
@@ -94,7 +112,8 @@ class DecodeEngine:
                 attn.core_attention = core
 
     def _forward(self, gpt, ids: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor | None) -> torch.Tensor:
-        """ids, positions [b, sq] -> logits [b, V_padded] of the last column (full vocabulary on every TP rank)."""
+        """ids, positions [b, sq] -> logits [b, V_padded] of the last column (full vocabulary on every TP rank).
+        ``freqs``: Megatron's RoPE frequencies of the columns, None when this engine applies RoPE itself."""
         hidden = gpt.embedding(input_ids=ids, position_ids=positions)  # [sq, b, h]
         hidden = gpt.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=freqs)  # [sq, b, h]
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
@@ -110,6 +129,8 @@ class DecodeEngine:
         self.keep[:u] = False
         self.keep[:u, :p] = True if real is None else real
         freqs = self.freqs[:p] if self.freqs is not None else None
+        if self.rope:
+            self.rope_cos, self.rope_sin, freqs = self.cos[:p], self.sin_signed[:p], None
         try:
             return self._forward(gpt, ids, positions, freqs)
         finally:
@@ -156,11 +177,46 @@ class DecodeEngine:
         self.positions += 1
         return logits
 
+    def widths(self) -> list[int]:
+        """Every width :meth:`width` can return on a GPU (largest first)."""
+        out, w = [self.batch], 1 << (self.batch - 1).bit_length()
+        while w // 2 >= _MIN_WIDTH:
+            w //= 2
+            if w < self.batch:
+                out.append(w)
+        return out
+
+    def capture_all(self, gpt) -> None:
+        """Capture the step of every width not captured yet (inside :meth:`attached`, in inference mode), so that no
+        capture happens in the middle of a timed generation. Every TP rank captures the same widths in one order."""
+        for width in self.widths():
+            if width not in self.graphs:
+                self.graphs[width] = self._capture(gpt, width)
+
     def _step(self, gpt, width: int) -> torch.Tensor:
         self.decoding = True
         self.keep[:width].index_fill_(1, self.column, True)  # the column this step writes
-        freqs = self.freqs.index_select(0, self.column) if self.freqs is not None else None  # [1, 1, 1, rot_dim]
+        freqs = None
+        if self.rope:
+            torch.index_select(self.cos, 0, self.column, out=self.step_cos)  # [1, 1, 1, rot_dim]
+            torch.index_select(self.sin_signed, 0, self.column, out=self.step_sin)
+            self.rope_cos, self.rope_sin = self.step_cos, self.step_sin
+        elif self.freqs is not None:
+            freqs = self.freqs.index_select(0, self.column)  # [1, 1, 1, rot_dim]
         return self._forward(gpt, self.ids[:width, None], self.positions[:width, None], freqs)
+
+    def apply_rope(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on query [sq, b, np, hn] and key [sq, b, ng, hn] at the current forward's columns, computed as
+        Megatron's ``_apply_rotary_pos_emb_bshd`` computes it (same operations in the same dtype)."""
+        heads = query.shape[2]
+        t = torch.cat((query, key), dim=2)  # [sq, b, np + ng, hn]
+        rot = self.rope_cos.shape[-1]
+        t, t_pass = t[..., :rot], t[..., rot:]
+        t1, t2 = t.chunk(2, dim=-1)
+        t = t * self.rope_cos + torch.cat((t2, t1), dim=-1) * self.rope_sin
+        if t_pass.shape[-1]:
+            t = torch.cat((t, t_pass), dim=-1)
+        return t[:, :, :heads], t[:, :, heads:]
 
     def _capture(self, gpt, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture the step of ``width`` rows. The warm-up runs write the current column, which the replay that
@@ -197,6 +253,8 @@ class _CachedCoreAttention(torch.nn.Module):
                 packed_seq_params=None):
         e = self.engine
         sq, b, np_, hn = query.shape
+        if e.rope:
+            query, key = e.apply_rope(query, key)
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k = key.permute(1, 2, 0, 3)  # [b, ng, sq, hn]
         v = value.permute(1, 2, 0, 3)

@@ -150,6 +150,10 @@ def main(job: PPOJob) -> dict:
     if state is not None:
         kl_ctl.load_state_dict(state["kl_controller"])
 
+    # KV cache and CUDA graphs before iteration 1, so its generate time is a warm one (the set-up is logged apart)
+    setup = (rollout.prepare_rollouts(actor.model, prompts, iteration, gen, tok, vocab, dist, seq_length)
+             if iteration < rl.iterations else {})
+
     # ---- the loop: rollout -> score -> KL + advantages -> minibatch updates -> log -> checkpoint ----
     m: dict[str, float] = {}
     while iteration < rl.iterations:
@@ -200,6 +204,8 @@ def main(job: PPOJob) -> dict:
             m.update(rollout.mean_metrics(actor_steps, "train"))
         m.update(rollout.mean_metrics(critic_steps, "critic"))
         m.update(timings)
+        m.update(setup)  # iteration 1 only
+        setup = {}
         trained_rows = (2 if train_actor else 1) * rl.epochs * r.n  # actor + critic rows
         m.update(rollout.throughput(r, timings, trained_rows=trained_rows, seq_length=seq_length, dist=dist))
         m["timing/iteration_s"] = time.perf_counter() - t0

@@ -87,6 +87,10 @@ def main(job: ReinforceJob) -> dict:
     ckpts = Checkpoints.for_rl({"actor": (actor, run_dir / "actor")}, rl, job, "reinforce", dist)
     iteration, _, runlog = rollout.start("reinforce", job, ckpts, prompts, rl, dist, logger)
 
+    # KV cache and CUDA graphs before iteration 1, so its generate time is a warm one (the set-up is logged apart)
+    setup = (rollout.prepare_rollouts(actor.model, prompts, iteration, gen, tok, vocab, dist, seq_length)
+             if iteration < rl.iterations else {})
+
     # ---- the loop: rollout -> score -> group advantages -> minibatch updates -> log -> checkpoint ----
     m: dict[str, float] = {}
     while iteration < rl.iterations:
@@ -126,6 +130,8 @@ def main(job: ReinforceJob) -> dict:
         # 5. log, validate, checkpoint
         m.update(rollout.mean_metrics(steps, "train"))
         m.update(timings)
+        m.update(setup)  # iteration 1 only
+        setup = {}
         m.update(rollout.throughput(r, timings, trained_rows=rl.epochs * r.n, seq_length=seq_length, dist=dist))
         m["timing/iteration_s"] = time.perf_counter() - t0
         if rl.eval_interval and iteration % rl.eval_interval == 0 and iteration < rl.iterations:

@@ -20,7 +20,7 @@ from align_pipeline.config.checks import attribute_weights
 from align_pipeline.data.formats import load_jsonl
 from align_pipeline.model import init
 from align_pipeline.model.checkpoint import reward_pooling
-from align_pipeline.model.generate import generate
+from align_pipeline.model.generate import generate, prepare_generation
 from align_pipeline.model.sequences import rewards_forward, token_logprobs_forward, token_values_forward
 from align_pipeline.rewards import RewardFunctions, check_records
 from align_pipeline.train.core.batches import PromptStream, to_rows
@@ -69,6 +69,22 @@ def generate_rollout(policy, records: list[dict], gen: GenerationConfig, tok, vo
     arrays = to_rows(prompts, tokens, seq_length, tok.pad_id)
     rows = {k: torch.from_numpy(v).to(dist.device) for k, v in arrays.items()}
     return Rollout(row_records, tokens, eos, rows, [tok.decode(t) for t in tokens])
+
+
+def prepare_rollouts(policy, prompts: PromptStream, iteration: int, gen: GenerationConfig, tok, vocab_size: int,
+                     dist: Dist, seq_length: int) -> dict[str, float]:
+    """Before the first rollout of a job, on a GPU: the KV cache for the rows of one generate call and the longest
+    prompt of the data + ``max_new_tokens`` columns, and the CUDA graphs of every batch width
+    (:func:`prepare_generation`), so iteration 1's ``timing/generate_s`` is a warm figure ->
+    ``{"timing/decode_capture_s", "timing/decode_setup_s"}`` (empty on the CPU)."""
+    if dist.device.type != "cuda":
+        return {}
+    rows = len(prompts.local(iteration)) * gen.samples_per_prompt
+    longest = max(len(r["prompt_ids"]) for r in prompts.records)
+    t = prepare_generation(policy, batch=min(rows, gen.batch_size), length=min(seq_length, longest + gen.max_new_tokens),
+                           prompt_len=longest, vocab_size=vocab_size, pad_id=tok.pad_id, cuda_graphs=gen.cuda_graphs,
+                           temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, tp_group=dist.pgs.tp)
+    return {"timing/decode_capture_s": t["capture_s"], "timing/decode_setup_s": t["setup_s"]}
 
 
 def iteration_seed(base: int, iteration: int, dp_rank: int) -> int:
