@@ -244,8 +244,8 @@ class GenerationConfig:
     """Rows (prompts x samples) per generation call; also the rows of the KV cache kept on the policy between
     iterations (its memory: 2 x layers x rows x (prompt + max_new_tokens) x kv_channels x query groups / TP values)."""
     cuda_graphs: bool = True
-    """On a GPU, replay each decode step as a captured CUDA graph (captured at the first rollout, reused after);
-    False runs the same static-cache step eagerly."""
+    """On a GPU, replay each decode step as a captured CUDA graph, one per batch width (captured before the first
+    rollout, reused after, reading the live weights); False runs the same static-cache step eagerly."""
 
     def validate(self, where: str = "generation") -> None:
         require_at_least(self, where, 0, "max_new_tokens", "top_k")

@@ -171,9 +171,10 @@ def prepare_generation(model, *, batch: int, length: int, prompt_len: int, vocab
 
     Allocates the KV cache for ``batch`` rows x ``length`` columns (kept on the model). On a GPU it also captures the
     decode step of every batch width (:meth:`~align_pipeline.model.decode.DecodeEngine.capture_all`) and runs a short
-    generation of the shape rollouts have: ``batch`` distinct prompts of up to ``prompt_len`` tokens (mixed lengths),
-    9 new tokens with stop ids, the same sampling settings, once with every row's prompt shared by a second row.
-    That loads the kernels of the first large prefill, the sampler and the finished-row check, and fills the memory
+    generation of the shape rollouts have: ``batch`` distinct prompts of ``prompt_len`` or ``prompt_len - 1`` tokens
+    (the padded prefill), then of ``prompt_len`` tokens each (the unpadded prefill), 9 new tokens with stop ids, the
+    same sampling settings. That builds cuDNN's attention plans of both prefills at that shape (other shapes get
+    theirs when first seen), loads the kernels of the sampler and the finished-row check, and fills the memory
     allocator's cache: measured on an H200, without it the first rollout after the captures still took 1.5-3.6x a
     warm one. Returns ``{"capture_s": ..., "setup_s": ...}`` (seconds: graph captures, everything)."""
     import time
@@ -189,9 +190,9 @@ def prepare_generation(model, *, batch: int, length: int, prompt_len: int, vocab
             with _inference_mode(model, gpt), engine.attached(gpt):
                 engine.capture_all(gpt)
         prompt_len = max(1, min(prompt_len, length - 9))
-        distinct = [[(i * 7919 + j) % vocab_size for j in range(prompt_len - i % 2)] or [pad_id] for i in range(batch)]
-        shared = [distinct[i // 2] for i in range(batch)]  # two samples per prompt
-        for prompts in (distinct, shared):
+        full = [[(i * 7919 + j) % vocab_size for j in range(prompt_len)] for i in range(batch)]  # distinct prompts
+        mixed = [row[: len(row) - i % 2] or [pad_id] for i, row in enumerate(full)]  # padded prefill (masked)
+        for prompts in (mixed, full):  # then the unpadded (causal) prefill
             generate(model, prompts, max_new_tokens=min(9, length - prompt_len), eos_id=[pad_id], pad_id=pad_id,
                      vocab_size=vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
                      cuda_graphs=cuda_graphs, tp_group=tp_group)
