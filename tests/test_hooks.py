@@ -77,7 +77,7 @@ def _runs(project):
     experiment = client.get_experiment_by_name("align-pipeline")
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    children = {r.info.run_name: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    children = {r.data.tags["kedro.node"]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
     return client, parents, children
 
 
@@ -87,7 +87,7 @@ def _save_outputs(hook, n, outputs, fail_on=None):
     for name in outputs:
         if name == fail_on:
             raise OSError(f"[Errno 1] Operation not permitted: {name!r}")
-        hook.after_dataset_saved(dataset_name=name, node=n)
+        hook.after_dataset_saved(dataset_name=name, data=outputs[name], node=n)
 
 
 def _drive(hook, project, pipeline, fail_node=None, session_id="2026-01-01T00.00.00.000Z", fail_save=None):
@@ -139,13 +139,17 @@ def test_one_parent_one_child_per_node_with_metrics(project, monkeypatch):
     assert tags["kedro.env"] == "local"
     assert tags["kedro.version"] == "1.7.0"
     assert tags["kedro.nodes"] == "prepare,train"
-    assert parent.data.params["runtime.train.lr"] == "0.5"
+    assert parent.data.params["train.lr"] == "0.5"  # the --params override, under the name a user types
+    assert parent.info.run_name == "kedro:__default__ train.lr=0.5 @2026-01-01T00.00.00.000Z"
+    assert parent.data.metrics == {"train/loss": 0.5, "train/accuracy": 0.75, "train/per_task.add": 1.0}
 
     assert set(children) == {"prepare", "train"}
     for name, child in children.items():
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
-        assert child.data.tags["kedro.node"] == name
         assert child.data.tags["kedro.run_id"] == "2026-01-01T00.00.00.000Z"
+        # the overrides of the node's own params (both read params:train), the version of the run
+        assert child.info.run_name == f"{name} train.lr=0.5 @2026-01-01T00.00.00.000Z"
+        assert child.data.tags["lineage.config_hash"]
         assert child.info.status == "FINISHED"
         # the launcher inside this node would have attached the torchrun job to this child run
         assert seen_env[name] == {
@@ -199,9 +203,9 @@ def test_child_finishes_only_when_its_last_output_is_stored(project):
     hook.after_node_run(node=n, outputs=outputs)
     client, _, children = _runs(project)
     assert children["train"].info.status == "RUNNING"
-    hook.after_dataset_saved(dataset_name="train_metrics", node=n)
+    hook.after_dataset_saved(dataset_name="train_metrics", data=outputs["train_metrics"], node=n)
     assert client.get_run(children["train"].info.run_id).info.status == "RUNNING"
-    hook.after_dataset_saved(dataset_name="model", node=n)
+    hook.after_dataset_saved(dataset_name="model", data=outputs["model"], node=n)
     assert client.get_run(children["train"].info.run_id).info.status == "FINISHED"
     hook.after_pipeline_run()
 
@@ -420,16 +424,16 @@ def test_real_kedro_session(project, tmp_path):
     parents = sorted((r for r in runs if "mlflow.parentRunId" not in r.data.tags), key=lambda r: r.info.start_time)
     assert [p.info.status for p in parents] == ["FINISHED", "FAILED"]
     for parent in parents:
-        children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+        children = {r.data.tags["kedro.node"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
         assert set(children) == {"prepare", "fit"}
         assert parent.data.tags["kedro.pipeline"] == "__default__"
         assert parent.data.tags["kedro.run_id"]
         assert parent.data.tags["kedro.env"] == "local"  # the default run env
         assert parent.data.tags["kedro.runner"] == "SequentialRunner"
-    ok_children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    ok_children = {r.data.tags["kedro.node"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
     assert ok_children["fit"].info.status == "FINISHED"
     assert ok_children["fit"].data.metrics == {"loss": 0.25, "n": 3.0}
     assert ok_children["fit"].data.params["train.lr"] == "0.1"
-    bad_children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[1].info.run_id}
+    bad_children = {r.data.tags["kedro.node"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[1].info.run_id}
     assert bad_children["fit"].info.status == "FAILED"
     assert bad_children["prepare"].info.status == "FINISHED"

@@ -5,13 +5,15 @@ Kedro.
     align-pipeline export CHECKPOINT_DIR HF_DIR [--tokenizer DIR] [--dtype float32|bfloat16|float16] [--check]
     align-pipeline import HF_DIR CHECKPOINT_DIR [--tp N] [--pp N] [--seq-length N] [--check]
     align-pipeline mlflow-log CHECKPOINT_OR_RUN_DIR [--run-id ID | --experiment NAME] [--tracking-uri URI]
+    align-pipeline compare [RUN_OR_VERSION ...] [--last N] [--filter "MLFLOW FILTER"] [--out DIR] [--no-log]
+    align-pipeline sweep --pipelines dpo --grid dpo.loss.beta=0.03,0.1,0.3 [--grid ...] [--env ENV]
 """
 
 import os
 import sys
 from pathlib import Path
 
-COMMANDS = ("export", "import", "mlflow-log")
+COMMANDS = ("export", "import", "mlflow-log", "compare", "sweep")
 
 
 def export_command(argv: list[str]) -> int:
@@ -177,9 +179,32 @@ def mlflow_log_command(argv: list[str]) -> int:
     return 0
 
 
+def _store_args(parser) -> None:
+    parser.add_argument("--experiment", default=None,
+                        help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME, else align-pipeline)")
+    parser.add_argument("--tracking-uri", default=None,
+                        help="the store (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db, the project's "
+                        "default when run from the project directory)")
+
+
+def compare_command(argv: list[str]) -> int:
+    """``compare``: a report over kedro runs (see :mod:`align_pipeline.tracking.compare`)."""
+    from align_pipeline.tracking.compare import main
+
+    return main(argv, _store_args)
+
+
+def sweep_command(argv: list[str]) -> int:
+    """``sweep``: one ``kedro run`` per grid point, then ``compare`` over them (see :mod:`align_pipeline.sweep`)."""
+    from align_pipeline.sweep import main
+
+    return main(argv, _store_args)
+
+
 def main(*args, **kwargs):
     if not args and len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
-        commands = {"export": export_command, "import": import_command, "mlflow-log": mlflow_log_command}
+        commands = {"export": export_command, "import": import_command, "mlflow-log": mlflow_log_command,
+                    "compare": compare_command, "sweep": sweep_command}
         sys.exit(commands[sys.argv[1]](sys.argv[2:]))
 
     from kedro.framework.cli.utils import find_run_command

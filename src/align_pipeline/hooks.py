@@ -43,8 +43,11 @@ from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
+from align_pipeline.config import config_hash
+from align_pipeline.data.formats import Artifact
+from align_pipeline.datasets import CheckpointDataset
 from align_pipeline.pipelines.common import RUN_DIR_CLEANUP
-from align_pipeline.tracking.lineage import git_tags
+from align_pipeline.tracking.lineage import git_tags, lineage_tags
 from align_pipeline.tracking.mlflow_logger import (
     MAX_TAG_VALUE,
     clean_key,
@@ -72,6 +75,40 @@ def _runner_name(runner: Any) -> str:
     return match.group(1).rsplit(".", 1)[-1] if match else text
 
 
+MAX_RUN_NAME = 250
+
+
+def run_label(base: str, overrides: dict[str, Any], version: str | None) -> str:
+    """A run name that tells runs apart at a glance: ``train_dpo dpo.loss.beta=0.3 @2026-12-04T10.55.12.345Z``
+    (the CLI overrides that reach the node, then the catalog version its outputs are saved under)."""
+    parts = [base, *(f"{k}={v}" for k, v in sorted(overrides.items()))]
+    if version:
+        parts.append(f"@{version}")
+    return " ".join(parts)[:MAX_RUN_NAME]
+
+
+def overrides_for(runtime_params: dict[str, Any] | None, sections: set[str] | None = None) -> dict[str, Any]:
+    """The ``--params`` overrides (flattened, ``dpo.loss.beta``) whose top-level section is in ``sections`` (all when
+    None)."""
+    flat = flatten(runtime_params or {})
+    return {k: v for k, v in flat.items() if sections is None or k.split(".", 1)[0] in sections}
+
+
+def dataset_input(name: str, artifact: Artifact):
+    """An MLflow dataset input for a data artifact: its path as the source, its fingerprint as the digest."""
+    import warnings
+
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are the local source
+        warnings.simplefilter("ignore")
+        source = resolve_dataset_source(artifact.path)
+    dataset = MetaDataset(source, name=name, digest=artifact.fingerprint)._to_mlflow_entity()
+    return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "training")])
+
+
 class MlflowHook:
     """Parent MLflow run per pipeline run, child run per node; see the module docstring."""
 
@@ -87,6 +124,9 @@ class MlflowHook:
         self._unsaved: dict[str, set[str]] = {}  # node name -> its outputs the catalog has not stored yet
         self._lock = threading.Lock()
         self._atexit = False
+        self._catalog: Any = None
+        self._save_version: str | None = None
+        self._runtime_params: dict[str, Any] = {}
 
     # -- helpers ---------------------------------------------------------------------------------------------------
 
@@ -197,6 +237,42 @@ class MlflowHook:
             self._enabled = True
 
     @hook_impl
+    def after_catalog_created(self, catalog: Any, save_version: str) -> None:
+        """Keep the catalog (to tell checkpoint datasets apart) and the version this run saves its outputs under."""
+        self._catalog, self._save_version = catalog, save_version
+
+    def _is_checkpoint(self, name: str) -> bool:
+        """True for a catalog entry of versioned checkpoint directories (models, evaluation reports)."""
+        if self._catalog is None:
+            return False
+        try:
+            return isinstance(self._catalog.get(name), CheckpointDataset)
+        except Exception:  # noqa: BLE001 — not a catalog entry (e.g. a free output)
+            return False
+
+    def _checkpoint_version(self, name: str, value: Any) -> str | None:
+        """The catalog version of a loaded checkpoint (its path is ``<filepath>/<version>/<name>``), else None."""
+        if not isinstance(value, str) or not value or not self._is_checkpoint(name):
+            return None
+        return Path(value).parent.name
+
+    def _input_lineage(self, inputs: dict[str, Any], params: dict[str, Any]) -> tuple[dict[str, str], list]:
+        """``lineage.*`` tags of a node from its inputs (checkpoint versions by catalog name, data fingerprints, the
+        hash of its params) and the MLflow dataset inputs of its data artifacts."""
+        lineage: dict[str, Any] = {}
+        datasets = []
+        for name, value in (inputs or {}).items():
+            version = self._checkpoint_version(name, value)
+            if version is not None:
+                lineage[name] = version
+            elif isinstance(value, Artifact):
+                lineage[f"data.{name}"] = value.fingerprint
+                datasets.append(dataset_input(name, value))
+        if params:
+            lineage["config_hash"] = config_hash(params)
+        return lineage_tags(lineage), datasets
+
+    @hook_impl
     def before_pipeline_run(self, run_params: dict[str, Any], pipeline: Any, catalog: Any) -> None:
         """Start the parent run (tags: pipeline, session id, env, git commit, kedro version, node names)."""
         with self._lock:
@@ -231,18 +307,25 @@ class MlflowHook:
                 "kedro.nodes": _join(n.name for n in pipeline.nodes),
                 **git_tags(project_path),
             }
+            for tag, var in (("align.sweep", "ALIGN_SWEEP"), ("align.sweep.point", "ALIGN_SWEEP_POINT")):
+                if os.environ.get(var):  # a run of `align-pipeline sweep` (align_pipeline/sweep.py)
+                    tags[tag] = os.environ[var][:MAX_TAG_VALUE]
             for key in ("tags", "node_names", "from_nodes", "to_nodes", "from_inputs", "to_outputs", "namespaces"):
                 if run_params.get(key):
                     tags[f"kedro.{key}"] = _join(run_params[key])
+            self._runtime_params = dict(run_params.get("runtime_params") or {})
+            version = self._save_version or tags["kedro.run_id"]
             run = mlflow.start_run(
-                run_name=f"kedro:{','.join(names)}",
+                run_name=run_label(f"kedro:{','.join(names)}", overrides_for(self._runtime_params), version),
                 experiment_id=self._experiment_id,
                 nested=active is not None,
                 tags=tags,
             )
             self._parent_run_id, self._session_id = run.info.run_id, tags["kedro.run_id"]
-            if run_params.get("runtime_params"):
-                self._log_params(self._parent_run_id, {"runtime": run_params["runtime_params"]})
+            # The overrides under the names users type (--params dpo.loss.beta=0.3), so MLflow's table and compare
+            # view work on parent runs; the node's child run has the whole sections.
+            self._log_params(self._parent_run_id, {**self._runtime_params, "kedro.env": tags["kedro.env"],
+                                                   "kedro.pipeline": tags["kedro.pipeline"]})
             if not self._atexit:
                 atexit.register(self._at_exit)  # runs before MLflow's own atexit (which would mark it FINISHED)
                 self._atexit = True
@@ -273,8 +356,16 @@ class MlflowHook:
                 tags["kedro.node.tags"] = _join(node.tags)
             if getattr(node, "namespace", None):
                 tags["kedro.node.namespace"] = node.namespace
+            params = {
+                name.removeprefix("params:"): value
+                for name, value in (inputs or {}).items()
+                if name.startswith("params:") or name == "parameters"
+            }
+            lineage, datasets = self._input_lineage(inputs, params)
+            tags.update(lineage)
+            overrides = overrides_for(self._runtime_params, set(params))
             run = mlflow.start_run(
-                run_name=node.name,
+                run_name=run_label(node.name, overrides, self._save_version or self._session_id),
                 experiment_id=self._experiment_id,
                 parent_run_id=self._parent_run_id,
                 nested=True,
@@ -282,13 +373,10 @@ class MlflowHook:
             )
             with self._lock:
                 self._node_runs[node.name] = run.info.run_id
-            params = {
-                name.removeprefix("params:"): value
-                for name, value in (inputs or {}).items()
-                if name.startswith("params:") or name == "parameters"
-            }
-            if params:
+            if params:  # one namespace: the Kedro parameter names (the jobs log no config of their own)
                 self._log_params(run.info.run_id, params)
+            if datasets:
+                self._client().log_inputs(run.info.run_id, datasets=datasets)
 
     @hook_impl
     def after_node_run(self, node: Any, outputs: dict[str, Any]) -> None:
@@ -301,24 +389,45 @@ class MlflowHook:
                 self._unsaved[node.name] = set(outputs)
         if run_id is not None:
             with self._guard("after_node_run"):
-                from mlflow.entities import Metric
-
-                metrics: dict[str, float] = {}
-                for name, value in (outputs or {}).items():
-                    if name.endswith(METRICS_SUFFIX) and isinstance(value, dict):
-                        metrics.update(numeric_items(value))
-                if metrics:
-                    now = int(time.time() * 1000)
-                    items = [Metric(k, v, now, 0) for k, v in metrics.items()]
-                    client = self._client()
-                    for i in range(0, len(items), 1000):
-                        client.log_batch(run_id, metrics=items[i : i + 1000], synchronous=True)
+                self._log_node_metrics(run_id, outputs or {})
         if not outputs:
             self._outputs_stored(node.name)
 
+    def _log_node_metrics(self, run_id: str, outputs: dict[str, Any]) -> None:
+        """``*_metrics`` outputs: on the child, only the keys its job has not logged itself (the job logs each metric's
+        history, final value included, at its steps: re-logging the final value would add a point at another step),
+        at the node's last step (``steps`` / ``iterations``, else 0); on the parent, every value, as
+        ``<output>/<key>`` (``dpo/val_accuracy``, ``evaluation/dpo/accuracy``), so parent runs compare."""
+        from mlflow.entities import Metric
+
+        client = self._client()
+        logged = set(client.get_run(run_id).data.metrics)
+        now = int(time.time() * 1000)
+        child, parent = [], []
+        for name, value in outputs.items():
+            if not (name.endswith(METRICS_SUFFIX) and isinstance(value, dict)):
+                continue
+            values = numeric_items(value)
+            step = int(values.get("steps", values.get("iterations", 0)))
+            child += [Metric(k, v, now, step) for k, v in values.items() if k not in logged]
+            parent += [Metric(clean_key(f"{name.removesuffix(METRICS_SUFFIX)}/{k}"), v, now, 0)
+                       for k, v in values.items()]
+        for target, items in ((run_id, child), (self._parent_run_id, parent)):
+            for i in range(0, len(items) if target else 0, 1000):
+                client.log_batch(target, metrics=items[i : i + 1000], synchronous=True)
+
     @hook_impl
-    def after_dataset_saved(self, dataset_name: str, node: Any) -> None:
-        """After the node's last output is stored: end its child run FINISHED and delete its run directory."""
+    def after_dataset_saved(self, dataset_name: str, data: Any, node: Any) -> None:
+        """Tag a stored checkpoint's catalog version (``lineage.out.<name>``) on the node's child run and the parent;
+        after the node's last output is stored: end its child run FINISHED and delete its run directory."""
+        version = self._save_version if data and self._is_checkpoint(dataset_name) else None
+        run_id = self._node_runs.get(node.name)
+        if version and run_id is not None and self._enabled:
+            with self._guard("after_dataset_saved"):
+                client = self._client()
+                for target in (run_id, self._parent_run_id):
+                    if target:
+                        client.set_tag(target, clean_key(f"lineage.out.{dataset_name}"), version)
         with self._lock:
             unsaved = self._unsaved.get(node.name)
             if unsaved is None:

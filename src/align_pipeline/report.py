@@ -72,7 +72,7 @@ def report_table(report: dict) -> str:
 
 def flat_metrics(report: dict, sep: str = "/") -> dict[str, float]:
     """The report's numbers as flat metric names: ``<policy><sep><metric>``, ``reward_model<sep><metric>`` and
-    ``<policy><sep>rank`` (the job logs them with "/", the Kedro node's MLflow run with ".")."""
+    ``<policy><sep>rank``."""
     flat = {f"{name}{sep}{k}": v for name, m in report["policies"].items() for k, v in m.items()
             if isinstance(v, float)}
     flat.update({f"reward_model{sep}{k}": float(v) for k, v in report.get("reward_model", {}).items()})

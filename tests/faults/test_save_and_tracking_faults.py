@@ -116,7 +116,7 @@ def test_mlflow_down_trains_at_once_keeps_metrics_and_relogs_them(project, monke
     records = read_records(kept)
     steps = [(r["step"], r["metrics"]["loss"]) for r in records if r["type"] == "metrics" and "loss" in r["metrics"]]
     assert [s for s, _ in steps] == list(range(1, STEPS + 1))  # log_interval 1: every step
-    assert any(r["type"] == "params" and "job.sft.training.train_steps" in r["params"] for r in records)
+    assert any(r["type"] == "params" and "sft.training.train_steps" in r["params"] for r in records)
     assert not any((project / "data" / "06_models" / "_runs" / "sft").iterdir())  # run dir cleaned up after the save
 
     uri = default_tracking_uri(project / "later")  # MLflow is "back": a sqlite store
@@ -125,7 +125,7 @@ def test_mlflow_down_trains_at_once_keeps_metrics_and_relogs_them(project, monke
     client = MlflowClient(uri)
     run = client.get_run(summary["run_id"])
     assert run.info.experiment_id == client.get_experiment_by_name("relogged").experiment_id
-    assert run.data.params["job.sft.training.train_steps"] == str(STEPS)
+    assert run.data.params["sft.training.train_steps"] == str(STEPS)
     history = sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)
     expected = [(r["step"], r["timestamp"], r["metrics"]["loss"]) for r in records if "loss" in r.get("metrics", {})]
     assert [(m.step, m.timestamp, m.value) for m in history] == expected

@@ -86,7 +86,7 @@ def test_sigterm_to_a_background_kedro_run_stops_it_cleanly_and_the_rerun_resume
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("signals").experiment_id])
     (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]  # named after the pipelines, any order
-    status = {r.info.run_name: r.info.status for r in runs}
+    status = {r.data.tags.get("kedro.node", "parent"): r.info.status for r in runs}
     assert status["train_sft"] == "KILLED" and parent.info.status == "KILLED", status
 
     resumed = _kedro(project, "--pipelines", "sft")  # the rerun: same inputs, same run dir

@@ -97,7 +97,7 @@ def test_every_stage_has_a_child_run_with_metrics_and_the_report_is_logged(defau
     client = MlflowClient(tracking_uri=mlflow.get_tracking_uri())
     exp = client.get_experiment_by_name("default-run")
     runs = client.search_runs([exp.experiment_id])
-    children = {r.info.run_name: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    children = {r.data.tags["kedro.node"]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
     for node in ("train_sft", "train_reward_model", "compute_reference_logps", "train_dpo", "train_ppo",
                  "train_reinforce", "evaluate_policies"):
         assert children[node].info.status == "FINISHED", node

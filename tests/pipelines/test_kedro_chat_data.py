@@ -120,6 +120,6 @@ def test_chat_data_through_the_whole_dag(project):
     client = MlflowClient(tracking_uri=mlflow.get_tracking_uri())
     runs = client.search_runs([client.get_experiment_by_name("test-chat").experiment_id])
     assert runs and all(r.info.status == "FINISHED" for r in runs)
-    child = {r.info.run_name: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    child = {r.data.tags["kedro.node"]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
     sft_run = client.get_metric_history(child["train_sft"].info.run_id, "step_tokens")
     assert sft_run and max(m.value for m in sft_run) > 8 * 20  # packed rows: more real tokens than 8 short samples

@@ -59,7 +59,7 @@ def test_data_prep_and_sft_then_rerun_sft_makes_a_second_version(project):
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(parents) == 2 and all(r.info.status == "FINISHED" for r in runs)
     assert {r.data.tags.get("kedro.pipeline") for r in parents} == {"data_prep,sft", "sft"}
-    sft_children = [r for r in children if r.info.run_name == "train_sft"]
+    sft_children = [r for r in children if r.data.tags["kedro.node"] == "train_sft"]
     assert len(sft_children) == 2
     history = client.get_metric_history(sft_children[0].info.run_id, "loss")
     assert [m.step for m in history] == [8, 12, 16, 24]  # every log_interval (8) and every eval (12)
@@ -131,7 +131,7 @@ def test_rlhf_on_a_fresh_project_then_reinforce_on_its_sft_policy(project):
 
     client = MlflowClient(tracking_uri=mlflow.get_tracking_uri())
     runs = client.search_runs([client.get_experiment_by_name("test-sft").experiment_id])
-    child = {r.info.run_name: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    child = {r.data.tags["kedro.node"]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
     for node, key in (("train_ppo", "critic/value_loss"), ("train_reinforce", "train/pg_loss")):
         for name in (key, "rollout/rewards_mean", "rollout/init_policy_kl", "timing/generate_s"):
             history = client.get_metric_history(child[node].info.run_id, name)

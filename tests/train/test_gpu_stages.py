@@ -91,5 +91,5 @@ def test_all_stages_one_gpu(tmp_path):
     print("GPU stages:", json.dumps({**timings, **{k: round(v, 4) for k, v in metrics.items()
                                                    if k.endswith(("accuracy", "kl_to_reference"))}}))
     assert (Path(report_dir) / "report.json").is_file()
-    assert metrics["sft.kl_to_reference"] == pytest.approx(0.0, abs=1e-3)
-    assert 0.0 <= metrics["reward_model.accuracy"] <= 1.0 and "dpo.accuracy" in metrics
+    assert metrics["sft/kl_to_reference"] == pytest.approx(0.0, abs=1e-3)
+    assert 0.0 <= metrics["reward_model/accuracy"] <= 1.0 and "dpo/accuracy" in metrics

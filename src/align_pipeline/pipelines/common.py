@@ -193,7 +193,8 @@ def run_supervised_stage(module: str, job: Any, launch: LaunchConfig, section: S
 
 
 def rl_metrics(result: dict[str, Any]) -> dict[str, float]:
-    """Final RL metrics for the node's MLflow child run (the torchrun job logs every iteration itself)."""
-    metrics = {k.replace("/", "."): float(v) for k, v in result["final"].items() if isinstance(v, (int, float))}
+    """Final RL metrics of the node (the job's own names, ``rollout/rewards_mean``: it logs every iteration itself, so
+    the hook adds only what the job did not log)."""
+    metrics = {k: float(v) for k, v in result["final"].items() if isinstance(v, (int, float))}
     metrics["iterations"] = float(result["iteration"])
     return metrics

@@ -48,4 +48,4 @@ def evaluate_policies(tokenizer: Artifact, prompts_val: Artifact, pref_val: Arti
                           name="evaluation")
     log.info("Evaluation report %s, policies ranked:\n%s", result["output_dir"],
              (Path(result["output_dir"]) / "report.md").read_text())
-    return result["output_dir"], flat_metrics(result["report"], sep=".")
+    return result["output_dir"], flat_metrics(result["report"])  # the names the job logged them under

@@ -103,3 +103,17 @@ def finish(dist: Dist, logger, run_dir: str | Path, result: dict[str, Any]) -> d
     logger.close()
     shutdown()
     return result
+
+
+def log_job_params(logger, job, dist: Dist, **extra: Any) -> None:
+    """The job's MLflow params: ``world_size`` and ``extra`` (e.g. ``resumed_from_step``); and, only when no Kedro
+    node's run is attached (a job run by hand, whose ``metrics.jsonl`` may be re-logged later), its config sections
+    under the Kedro parameter names (``dpo.loss.beta``, ``model.num_layers``): in a ``kedro run`` the hook logs those
+    on the node's child run, and logging them twice would give every param two names."""
+    params: dict[str, Any] = {"world_size": dist.world_size, **extra}
+    if not logger.run_id:
+        from align_pipeline.config import to_dict
+
+        params.update({k: v for k, v in to_dict(job).items() if k not in ("paths", "lineage")})
+    logger.log_params(params)
+

@@ -26,7 +26,7 @@ from align_pipeline.rewards import RewardFunctions, check_records
 from align_pipeline.train.core.batches import PromptStream, to_rows
 from align_pipeline.train.core.distributed import Dist
 from align_pipeline.train.core.optimizer import build_frozen
-from align_pipeline.train.core.progress import RunLog, log
+from align_pipeline.train.core.progress import RunLog, log, log_job_params
 from align_pipeline.train.core.schedule import forward_rows
 
 
@@ -323,7 +323,7 @@ def start(stage: str, job, ckpts, prompts: PromptStream, rl: RLLoopConfig, dist:
         if state["consumed_prompts"] != prompts.consumed(iteration):
             raise RuntimeError(f"prompt cursor {state['consumed_prompts']} does not match iteration {iteration}")
         log(dist, f"[{stage}] resumed at iteration {iteration} from {job.paths.run_dir}")
-    logger.log_params({"job": to_dict(job), "world_size": dist.world_size, "resumed_from_iteration": iteration})
+    log_job_params(logger, job, dist, resumed_from_iteration=iteration)
     return iteration, state, RunLog(stage, dist, logger, rl.iterations, iteration, rl.log_interval, unit="iteration")
 
 

@@ -12,7 +12,7 @@ from align_pipeline.model import memory
 from align_pipeline.train.core.checkpointing import Checkpoints
 from align_pipeline.train.core.distributed import Dist
 from align_pipeline.train.core.optimizer import peak_memory_gib
-from align_pipeline.train.core.progress import RunLog, log
+from align_pipeline.train.core.progress import RunLog, log, log_job_params
 
 
 def start(stage: str, job, ckpts: Checkpoints, cfg: TrainingConfig, dist: Dist, logger
@@ -27,7 +27,7 @@ def start(stage: str, job, ckpts: Checkpoints, cfg: TrainingConfig, dist: Dist, 
             raise RuntimeError(f"checkpoint data position {state['consumed_samples']} does not match step {step}")
         last = dict(state.get("last_metrics") or {})
         log(dist, f"[{stage}] resumed at step {step} from {job.paths.run_dir}")
-    logger.log_params({"job": to_dict(job), "world_size": dist.world_size, "resumed_from_step": step})
+    log_job_params(logger, job, dist, resumed_from_step=step)
     return step, RunLog(stage, dist, logger, cfg.train_steps, step, cfg.log_interval), last
 
 
