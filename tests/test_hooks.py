@@ -437,3 +437,22 @@ def test_real_kedro_session(project, tmp_path):
     bad_children = {r.data.tags["kedro.node"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[1].info.run_id}
     assert bad_children["fit"].info.status == "FAILED"
     assert bad_children["prepare"].info.status == "FINISHED"
+
+
+def test_a_failed_gate_is_tagged_on_the_node_and_the_parent(project):
+    from align_pipeline.gates import GateFailed
+
+    hook = MlflowHook()
+    hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
+    ppo = node(evaluate, "model", "ppo_metrics", name="train_ppo")
+    hook.before_pipeline_run(run_params={"run_id": "s"}, pipeline=Pipeline([ppo]), catalog=None)
+    hook.before_node_run(node=ppo, inputs={})
+    error = GateFailed("ppo.gate.min_reward_model_accuracy", 0.7, 0.645, "the held-out accuracy of reward model v1")
+    hook.on_node_error(error=error, node=ppo)
+    hook.on_pipeline_error(error=error)
+    _, (parent,), children = _runs(project)
+    for run in (parent, children["train_ppo"]):
+        assert run.info.status == "FAILED"
+        assert run.data.tags["gate.failed"] == "ppo.gate.min_reward_model_accuracy"
+        assert run.data.tags["gate.ppo.gate.min_reward_model_accuracy"] == "fail: 0.645 vs threshold 0.7"
+    assert "gate ppo.gate.min_reward_model_accuracy failed" in children["train_ppo"].data.tags["kedro.error"]

@@ -44,8 +44,10 @@ from typing import Any
 from kedro.framework.hooks import hook_impl
 
 from align_pipeline.config import config_hash
+from align_pipeline.console import plain_logging_when_piped
 from align_pipeline.data.formats import Artifact
-from align_pipeline.datasets import CheckpointDataset
+from align_pipeline.datasets import CheckpointDataset, HFModelDataset
+from align_pipeline.gates import GateFailed
 from align_pipeline.pipelines.common import RUN_DIR_CLEANUP
 from align_pipeline.tracking.lineage import git_tags, lineage_tags
 from align_pipeline.tracking.mlflow_logger import (
@@ -203,7 +205,9 @@ class MlflowHook:
 
     @hook_impl
     def after_context_created(self, context: Any) -> None:
-        """Point MLflow at the project's store and experiment; export ``MLFLOW_TRACKING_URI`` for torchrun jobs."""
+        """Point MLflow at the project's store and experiment; export ``MLFLOW_TRACKING_URI`` for torchrun jobs. Also
+        switch Kedro's console logging to one plain line per record when the output is not a terminal."""
+        plain_logging_when_piped()
         self._enabled = False
         with self._guard("after_context_created"):
             import mlflow
@@ -263,11 +267,12 @@ class MlflowHook:
         datasets = []
         for name, value in (inputs or {}).items():
             version = self._checkpoint_version(name, value)
+            plain = name.split("@", 1)[0]  # a transcoded entry (dpo_policy@export) is its dataset's version
             if version is not None:
-                lineage[name] = version
+                lineage[plain] = version
             elif isinstance(value, Artifact):
-                lineage[f"data.{name}"] = value.fingerprint
-                datasets.append(dataset_input(name, value))
+                lineage[f"data.{plain}"] = value.fingerprint
+                datasets.append(dataset_input(plain, value))
         if params:
             lineage["config_hash"] = config_hash(params)
         return lineage_tags(lineage), datasets
@@ -393,6 +398,21 @@ class MlflowHook:
         if not outputs:
             self._outputs_stored(node.name)
 
+    def _register(self, client: Any, name: str, version: str, path: str, run_id: str) -> None:
+        """An HF export (an ``HFModelDataset`` version) becomes a version of the registered model ``name`` in MLflow's
+        model registry, with the node's lineage tags (which checkpoint version it exports, the kedro run)."""
+        from mlflow.exceptions import MlflowException
+
+        tags = {k: v for k, v in client.get_run(run_id).data.tags.items() if k.startswith(("lineage.", "kedro.run"))}
+        tags[clean_key(f"lineage.out.{name}")] = version
+        try:
+            client.create_registered_model(name, tags={"align.dataset": name},
+                                           description=f"Hugging Face exports of the catalog entry {name}")
+        except MlflowException:  # already registered
+            pass
+        registered = client.create_model_version(name, source=path, run_id=run_id, tags=tags)
+        logger.info("%s: registered in MLflow's model registry as %s version %s", name, name, registered.version)
+
     def _log_node_metrics(self, run_id: str, outputs: dict[str, Any]) -> None:
         """``*_metrics`` outputs: on the child, only the keys its job has not logged itself (the job logs each metric's
         history, final value included, at its steps: re-logging the final value would add a point at another step),
@@ -421,6 +441,12 @@ class MlflowHook:
         """Tag a stored checkpoint's catalog version (``lineage.out.<name>``) on the node's child run and the parent;
         after the node's last output is stored: end its child run FINISHED and delete its run directory."""
         version = self._save_version if data and self._is_checkpoint(dataset_name) else None
+        if version:
+            try:  # <filepath>/<version>/<name>: where the catalog moved the node's directory
+                where = self._catalog.get(dataset_name)._get_versioned_path(version)
+            except Exception:  # noqa: BLE001 — only the log line is lost
+                where = f"version {version}"
+            logger.info("%s: stored %s -> %s", node.name, dataset_name, where)
         run_id = self._node_runs.get(node.name)
         if version and run_id is not None and self._enabled:
             with self._guard("after_dataset_saved"):
@@ -428,6 +454,8 @@ class MlflowHook:
                 for target in (run_id, self._parent_run_id):
                     if target:
                         client.set_tag(target, clean_key(f"lineage.out.{dataset_name}"), version)
+                if isinstance(self._catalog.get(dataset_name), HFModelDataset):
+                    self._register(client, dataset_name, version, str(where), run_id)
         with self._lock:
             unsaved = self._unsaved.get(node.name)
             if unsaved is None:
@@ -447,13 +475,23 @@ class MlflowHook:
             logger.info("%s failed: run directory %s kept (a rerun resumes from it)", node.name, run_dir)
         with self._lock:
             run_id = self._node_runs.pop(node.name, None)
+        gate_tags = {}
+        if isinstance(error, GateFailed):  # searchable: tags.`gate.failed` = 'ppo.gate.min_reward_model_accuracy'
+            gate_tags = {"gate.failed": error.gate,
+                         clean_key(f"gate.{error.gate}"): f"fail: {error.value} vs threshold {error.threshold}"}
         if run_id is not None:
             with self._guard("on_node_error"):
-                self._client().set_tag(run_id, "kedro.error", f"{type(error).__name__}: {error}"[:MAX_TAG_VALUE])
+                client = self._client()
+                client.set_tag(run_id, "kedro.error", f"{type(error).__name__}: {error}"[:MAX_TAG_VALUE])
+                for key, value in gate_tags.items():
+                    client.set_tag(run_id, key, value)
                 self._end(run_id, "FAILED")
         if self._parent_run_id is not None:
             with self._guard("on_node_error"):
-                self._client().set_tag(self._parent_run_id, "kedro.failed_node", node.name)
+                client = self._client()
+                client.set_tag(self._parent_run_id, "kedro.failed_node", node.name)
+                for key, value in gate_tags.items():
+                    client.set_tag(self._parent_run_id, key, value)
             self._end_open_runs("FAILED")
 
     @hook_impl

@@ -13,31 +13,36 @@ from align_pipeline.pipelines import data_prep, dpo, evaluation, export, ppo, re
 
 
 def register_pipelines() -> dict[str, Pipeline]:
+    # Every node is tagged with its stage (kedro-viz filters by tag; `kedro run --tags dpo`).
     stages = {
-        "data_prep": data_prep.create_pipeline(),
-        "sft": sft.create_pipeline(),
-        "reward_model": reward_model.create_pipeline(),
-        "dpo": dpo.create_pipeline(),
-        "ppo": ppo.create_pipeline(),
-        "reinforce": reinforce.create_pipeline(),
-        "evaluation": evaluation.create_pipeline(),
+        "data_prep": data_prep.create_pipeline().tag("data_prep"),
+        "sft": sft.create_pipeline().tag("sft"),
+        "reward_model": reward_model.create_pipeline().tag("reward_model"),
+        "dpo": dpo.create_pipeline().tag("dpo"),
+        "ppo": ppo.create_pipeline().tag("ppo"),
+        "reinforce": reinforce.create_pipeline().tag("reinforce"),
+        "evaluation": evaluation.create_pipeline().tag("evaluation"),
     }
     # Each composition evaluates the policies it trains and uses a reward model only if it trains one.
     compositions = {
         "rlhf": stages["data_prep"] + stages["sft"] + stages["reward_model"] + stages["ppo"]
-        + evaluation.create_pipeline(policies=["sft_policy", "ppo_policy"], reward_model=True),
+        + evaluation.create_pipeline(policies=["sft_policy", "ppo_policy"], reward_model=True).tag("evaluation"),
         "dpo_flow": stages["data_prep"] + stages["sft"] + stages["dpo"]
-        + evaluation.create_pipeline(policies=["sft_policy", "dpo_policy"], reward_model=False),
+        + evaluation.create_pipeline(policies=["sft_policy", "dpo_policy"], reward_model=False).tag("evaluation"),
+        # DPO on the existing sft_policy, then its evaluation against it: one sweep point
+        # (`align-pipeline sweep --pipelines dpo_evaluation --grid dpo.loss.beta=0.03,0.1,0.3`)
+        "dpo_evaluation": stages["dpo"]
+        + evaluation.create_pipeline(policies=["sft_policy", "dpo_policy"], reward_model=False).tag("evaluation"),
     }
     # regression_data + steerlm_reward_model: SteerLM attribute data (data/01_raw/regression.jsonl, not shipped) ->
     # a multi-attribute regression reward model in the catalog's reward_model (reward_model.loss: regression).
-    regression = data_prep.create_regression_pipeline()
+    regression = data_prep.create_regression_pipeline().tag("data_prep")
     extra = {
         "regression_data": regression,
-        "steerlm_reward_model": regression + reward_model.create_pipeline(data="reg"),
+        "steerlm_reward_model": regression + reward_model.create_pipeline(data="reg").tag("reward_model"),
         # the reinforce stage with the catalog's reward model wired in (reward.reward_model_weight > 0)
-        "reinforce_rm": reinforce.create_pipeline(reward_model=True),
+        "reinforce_rm": reinforce.create_pipeline(reward_model=True).tag("reinforce"),
         # run after training (`kedro run --pipelines export`); not part of __default__, which trains
-        "export": export.create_pipeline(),
+        "export": export.create_pipeline().tag("export"),
     }
     return {**stages, **compositions, **extra, "__default__": sum(stages.values(), Pipeline([]))}

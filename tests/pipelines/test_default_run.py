@@ -111,6 +111,22 @@ def test_every_stage_has_a_child_run_with_metrics_and_the_report_is_logged(defau
     assert sorted(ev.data.metrics[f"{p}/rank"] for p in ("sft", "dpo", "ppo", "reinforce")) == [1, 2, 3, 4]
     artifacts = {a.path for a in client.list_artifacts(ev.info.run_id, "eval_report")}
     assert {"eval_report/report.json", "eval_report/report.md", "eval_report/accuracy.png"} <= artifacts
+    # truthful curves: no final value re-logged at step 0 of a history that runs over steps; one key per metric
+    for node, child in children.items():
+        keys = set(child.data.metrics)
+        assert not [k for k in keys if "/" in k and k.replace("/", ".") in keys], node
+        for key in keys:
+            history = sorted(client.get_metric_history(child.info.run_id, key), key=lambda m: m.step)
+            if len(history) > 1 and history[0].step == 0 and history[-1].step > 0:
+                assert all(m.value != history[-1].value for m in history if m.step == 0), (node, key)
+    ppo = children["train_ppo"].data.params
+    assert "ppo.kl.beta" in ppo and not [k for k in ppo if k.startswith("job.")]  # one namespace per param
+    # lineage: the evaluation names the policy versions it scored, which search finds
+    for name in ("sft_policy", "dpo_policy", "ppo_policy", "reinforce_policy"):
+        (version,) = sorted(p.name for p in (root / "data" / "06_models" / name).iterdir())
+        assert ev.data.tags[f"lineage.{name}"] == version
+        found = client.search_runs([exp.experiment_id], filter_string=f"tags.`lineage.{name}` = '{version}'")
+        assert ev.info.run_id in {r.info.run_id for r in found}
     # lineage: the DPO checkpoint names its reference and parent
     (dpo_version,) = sorted((root / "data" / "06_models" / "dpo_policy").iterdir())
     meta = json.loads((dpo_version / "dpo_policy" / "meta.json").read_text())

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,12 +107,52 @@ def _report_policies(project: Path) -> tuple[set[str], dict]:
     return set(report["policies"]), report
 
 
-def test_dpo_flow_runs_on_a_fresh_project(project):
-    """The composition produces everything its evaluation needs (nothing from another flow) and no reward model."""
+def test_dpo_flow_runs_on_a_fresh_project_then_a_beta_sweep_compares(project):
+    """The composition produces everything its evaluation needs (nothing from another flow) and no reward model; its
+    evaluation promotes DPO through the gates. Then `align-pipeline sweep` runs DPO + its evaluation at two betas
+    and the comparison report shows both betas and the accuracy delta."""
     _fast_flows(project)
-    _run(project, "dpo_flow")
+    fast = yaml.safe_load((project / "conf" / "test" / "parameters_fast.yml").read_text())
+    fast["evaluation"]["gate"] = {"min_gain_over_sft": -1.0, "max_kl_to_reference": 1.0e6}
+    (project / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(fast))
+    outputs = _run(project, "dpo_flow")
     policies, report = _report_policies(project)
     assert policies == {"sft", "dpo"} and "reward_model" not in report
+    promoted = outputs["promoted_policy"].load()
+    (dpo_version,) = sorted((project / "data" / "06_models" / "dpo_policy").iterdir())
+    assert (promoted["policy"], promoted["dataset"], promoted["version"]) == ("dpo", "dpo_policy", dpo_version.name)
+    assert promoted["passed"] == {"dpo": True}
+    (version,) = sorted((project / "data" / "08_reporting" / "eval_report").iterdir())
+    text = (version / "eval_report" / "report.md").read_text()
+    assert "| dpo | evaluation.gate.min_gain_over_sft | -1 |" in text and "Promoted: **dpo**" in text
+
+    env = {k: v for k, v in os.environ.items() if k != "KEDRO_ENV"}
+    sweep = subprocess.run([sys.executable, "-m", "align_pipeline", "sweep", "--pipelines", "dpo_evaluation",
+                            "--grid", "dpo.loss.beta=0.03,0.3", "--env", "test", "--out", str(project / "cmp")],
+                           cwd=project, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    assert "1/2: --params dpo.loss.beta=0.03" in sweep.stdout and "2/2: --params dpo.loss.beta=0.3" in sweep.stdout
+    summary = json.loads((project / "cmp" / "comparison.json").read_text())
+    assert [e["label"] for e in summary["experiments"]] == ["dpo.loss.beta=0.03", "dpo.loss.beta=0.3"]
+    accuracy = summary["evaluation"]["dpo/accuracy"]
+    assert len(accuracy) == 2 and all(a is not None for a in accuracy)
+    text = (project / "cmp" / "report.md").read_text()
+    assert "| dpo.loss.beta | 0.03 | 0.3 |" in text
+    assert f"| dpo/accuracy | {accuracy[0]:.4g} | {accuracy[1]:.4g} | {accuracy[1] - accuracy[0]:+.4g} |" in text
+    assert (project / "cmp" / "train_dpo__loss.png").is_file()
+    assert "| evaluate_policies: promoted | dpo_policy@" in text  # the gates of each point's evaluation
+    # the console of a piped kedro run: one plain record per line, no known third-party warnings, no doubled label
+    out = sweep.stdout + sweep.stderr
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d INFO align_pipeline\.launch: \[dpo\] step 4/4 \| loss", out, re.MULTILINE)
+    assert "full scope is deprecated" not in out and "ShardedTensor" not in out and "[dpo] [dpo]" not in out
+    assert re.search(r"train_dpo: stored dpo_policy -> \S+/data/06_models/dpo_policy/[^/]+/dpo_policy$", out, re.MULTILINE)
+    # the rank logs outlive the run directory, as artifacts of the node's MLflow run
+    import mlflow
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow.get_tracking_uri())
+    last = client.get_run(summary["experiments"][-1]["runs"]["train_dpo"])
+    assert "logs/dpo/rank0.log" in {a.path for a in client.list_artifacts(last.info.run_id, "logs/dpo")}
 
 
 def test_rlhf_on_a_fresh_project_then_reinforce_on_its_sft_policy(project):
@@ -123,6 +167,23 @@ def test_rlhf_on_a_fresh_project_then_reinforce_on_its_sft_policy(project):
     assert policies == {"sft", "ppo"} and "reward_model" in report
     models = project / "data" / "06_models"
     assert len(list((models / "ppo_policy").iterdir())) == 1 and len(list((models / "ppo_critic").iterdir())) == 1
+
+    # a reward-model gate PPO cannot pass: the node stops before any job, with the message and the MLflow tags
+    from align_pipeline.gates import GateFailed
+
+    fast = yaml.safe_load((project / "conf" / "test" / "parameters_fast.yml").read_text())
+    fast["ppo"]["gate"] = {"min_reward_model_accuracy": 1.01}
+    (project / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(fast))
+    with pytest.raises(GateFailed, match=r"gate ppo.gate.min_reward_model_accuracy failed: the held-out accuracy of "
+                       r"reward model \S+ is 0\.\d+, the gate needs 1\.01"):
+        _run(project, "ppo", "evaluation")
+    assert len(list((models / "ppo_policy").iterdir())) == 1  # no new version
+    client = MlflowClient(tracking_uri=mlflow.get_tracking_uri())
+    gated = client.search_runs([client.get_experiment_by_name("test-sft").experiment_id],
+                               filter_string="tags.`gate.failed` = 'ppo.gate.min_reward_model_accuracy'")
+    assert sorted(r.data.tags.get("kedro.node", "parent") for r in gated) == ["parent", "train_ppo"]
+    fast["ppo"].pop("gate")
+    (project / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(fast))
     outputs = _run(project, "reinforce")
     (version,) = sorted((models / "reinforce_policy").iterdir())
     meta = json.loads((version / "reinforce_policy" / "meta.json").read_text())
@@ -203,4 +264,13 @@ def test_hf_model_through_data_prep_sft_dpo_then_export(project):
     new = model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1]:]
     assert 1 <= len(new) <= 4
     assert outputs["dpo_policy_export_metrics"].load()["bytes"] > 0
+    # the export is a version of a registered model in MLflow, searchable by the checkpoint version it exports
+    import mlflow
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow.get_tracking_uri())
+    (dpo_checkpoint,) = (project / "data" / "06_models" / "dpo_policy").iterdir()
+    (registered,) = client.search_model_versions(f"tags.`lineage.dpo_policy` = '{dpo_checkpoint.name}'")
+    assert registered.name == "dpo_policy_hf" and Path(registered.source) == out.resolve()
+    assert registered.tags["lineage.out.dpo_policy_hf"] == version.name
 

@@ -37,3 +37,21 @@ def test_pipeline_registry_imports_no_torch_or_megatron():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]", out.stdout
     assert "Apex" not in out.stderr and "Transformer Engine" not in out.stderr
+
+
+def test_kedro_viz_layers_follow_the_data_folders_and_every_node_has_its_stage_tag():
+    import re
+
+    from align_pipeline.pipeline_registry import register_pipelines
+
+    layers = {"01_raw": "raw", "03_primary": "primary", "05_model_input": "model_input", "06_models": "models",
+              "07_model_output": "model_output", "08_reporting": "reporting"}
+    for f in (REPO / "conf" / "base").glob("catalog*.yml"):
+        for name, entry in yaml.safe_load(f.read_text()).items():
+            folder = re.match(r"data/(\d\d_\w+)/", str(entry.get("filepath") or entry.get("path") or ""))
+            if folder and "@" not in name:  # transcoded entries share their dataset's node in kedro-viz
+                assert entry["metadata"]["kedro-viz"]["layer"] == layers[folder.group(1)], (f.name, name)
+    stages = {"data_prep", "sft", "reward_model", "dpo", "ppo", "reinforce", "evaluation", "export"}
+    for name, pipeline in register_pipelines().items():
+        for node in pipeline.nodes:
+            assert len(node.tags & stages) == 1, (name, node.name, node.tags)

@@ -11,6 +11,17 @@ from align_pipeline.config.common import GenerationConfig, ParallelConfig, Scori
 
 
 @dataclass
+class PromotionGateConfig:
+    """``evaluation.gate``: what a policy must reach to be promoted (:mod:`align_pipeline.gates`); the best policy
+    passing every gate is the ``promoted_policy`` catalog entry. None = that gate is off."""
+
+    min_gain_over_sft: float | None = None
+    """Sampled accuracy minus the SFT policy's must be at least this (e.g. 0.0: no worse than SFT)."""
+    max_kl_to_reference: float | None = None
+    """The policy's KL to the reference (per sequence, the report's ``kl_to_reference``) must be at most this."""
+
+
+@dataclass
 class EvaluationConfig:
     """``params:evaluation``: every policy against the SFT reference on the held-out prompts."""
 
@@ -31,6 +42,8 @@ class EvaluationConfig:
     """Rows per scoring forward."""
     runs_dir: str = "data/06_models/_runs"
     """Where the evaluation's run directory (logs, result.json) lives."""
+    gate: PromotionGateConfig = field(default_factory=PromotionGateConfig)
+    """Promotion gates per policy (gain over SFT, KL to the reference)."""
 
     def validate(self, where: str = "evaluation") -> None:
         require_at_least(self, where, 1, "micro_batch_size")

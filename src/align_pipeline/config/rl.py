@@ -20,6 +20,16 @@ from align_pipeline.config.common import (
 
 
 @dataclass
+class RLGateConfig:
+    """``<stage>.gate``: what the stage's inputs must reach before it starts (a miss stops the node and its
+    dependants with one message; :mod:`align_pipeline.gates`)."""
+
+    min_reward_model_accuracy: float | None = None
+    """The reward model's held-out pair accuracy (its training's final ``val_accuracy``, read from its checkpoint)
+    must be at least this; None = no gate. Checked only when the stage uses a reward model."""
+
+
+@dataclass
 class RLConfig(StageRunConfig):
     """The fields of every RL section: the loop, sampling, the reward, the KL term, the policy's optimizer."""
 
@@ -35,6 +45,8 @@ class RLConfig(StageRunConfig):
     """The policy's optimizer and schedule (over iterations x epochs x minibatches steps)."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """CPU offload of frozen models / optimizer states between phases (GPU memory)."""
+    gate: RLGateConfig = field(default_factory=RLGateConfig)
+    """Thresholds the inputs must meet before the stage starts (the reward model's accuracy)."""
 
 
 def check_rl_job(stage: str, section: RLConfig, parallel: ParallelConfig, paths: RLPaths, where: str) -> None:

@@ -50,8 +50,10 @@ from pathlib import Path
 from typing import Any
 
 from align_pipeline.config import LaunchConfig, from_dict
+from align_pipeline.console import job_warning_filters
 from align_pipeline.errors import UserError
 from align_pipeline.tracking.mlflow_logger import child_run_env
+from align_pipeline.tracking.runs import log_artifacts_to_active_run
 
 logger = logging.getLogger("align_pipeline.launch")
 
@@ -278,6 +280,7 @@ def build_env(launch: LaunchConfig, backend: str, env: Mapping[str, Any] | None 
     threads = launch.threads_per_process or max(1, _cpu_count() // launch.nproc_per_node)
     out["OMP_NUM_THREADS"] = str(threads)
     out["ALIGN_BACKEND"] = backend
+    out["PYTHONWARNINGS"] = job_warning_filters(os.environ.get("PYTHONWARNINGS"))  # known third-party noise off
     out.update(child_run_env())
     out.update({k: str(v) for k, v in (env or {}).items()})
     return out
@@ -563,12 +566,19 @@ def run_torchrun(
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
         with _RunDirLock(run_dir, label):
-            return _launch_locked(module, config, launch, run_dir, env, label)
+            try:
+                return _launch_locked(module, config, launch, run_dir, env, label)
+            finally:  # the run dir may be deleted after success: the rank logs live on in the node's MLflow run
+                log_artifacts_to_active_run(log_dir, f"logs/{_artifact_name(label)}", "*.log")
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise LaunchError(f"torchrun job {label!r} (module {module}) could not start: {exc}\n"
                               f"{_disk_full_note(run_dir, [str(exc)])}", module=module) from exc  # fmt: skip
         raise
+
+
+def _artifact_name(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label) or "job"
 
 
 def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig, run_dir: Path,
@@ -605,7 +615,8 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
     follower = _LogFollower(
         log_dir / f"rank{stream_rank}.log",
         # markup off: Kedro's rich handler would otherwise eat "[...]" in the job's lines
-        lambda line: logger.info("[%s] %s", label, line, extra={"markup": False}),
+        # (a line the job already labelled, "[ppo] iter 3/10 | ...", is not labelled twice)
+        lambda line: logger.info("[%s] %s", label, line.removeprefix(f"[{label}] "), extra={"markup": False}),
     )
 
     watch = _RankWatch(log_dir)

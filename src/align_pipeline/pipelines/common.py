@@ -192,6 +192,17 @@ def run_supervised_stage(module: str, job: Any, launch: LaunchConfig, section: S
     return model_dir, metrics
 
 
+def check_rl_gate(cfg, stage_name: str, reward_model: str | None) -> None:
+    """The stage's gate on its reward model (``<stage>.gate.min_reward_model_accuracy``), before any process starts:
+    :class:`~align_pipeline.gates.GateFailed` when the model's recorded held-out accuracy is below it."""
+    if reward_model:
+        from align_pipeline.data.formats import checkpoint_meta
+        from align_pipeline.gates import check_reward_model_gate
+
+        check_reward_model_gate(f"{stage_name}.gate.min_reward_model_accuracy", cfg.gate.min_reward_model_accuracy,
+                                checkpoint_meta(reward_model), Path(reward_model).parent.name)
+
+
 def rl_metrics(result: dict[str, Any]) -> dict[str, float]:
     """Final RL metrics of the node (the job's own names, ``rollout/rewards_mean``: it logs every iteration itself, so
     the hook adds only what the job did not log)."""

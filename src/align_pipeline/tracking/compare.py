@@ -201,6 +201,18 @@ def evaluation_metrics(experiments: list[Experiment]) -> dict[str, list[float | 
     return {k: [m.get(k) for m in per] for k in keys}
 
 
+def gates(experiments: list[Experiment]) -> dict[str, list[str]]:
+    """Gate results per experiment: the evaluation's ``gate.<policy>.<gate>`` and ``promoted`` tags, and a stopped
+    node's ``gate.failed``."""
+    per = []
+    for e in experiments:
+        tags = {f"{node}: {k}": v for node, run in e.runs().items() for k, v in run.data.tags.items()
+                if k.startswith("gate.") or k == "promoted"}
+        per.append(tags)
+    keys = sorted({k for t in per for k in t})
+    return {k: [t.get(k, "—") for t in per] for k in keys}
+
+
 def final_metrics(experiments: list[Experiment]) -> dict[str, dict[str, list[float | None]]]:
     """Training node -> metric -> its latest value per experiment (system, timing and throughput metrics left out)."""
     nodes = sorted({n for e in experiments for n in e.runs() if n != EVALUATION_NODE})
@@ -320,6 +332,11 @@ def write_report(client, experiments: list[Experiment], out_dir: str | Path) -> 
                         [[k, *map(_fmt, v), *_delta(v)[1:]] for k, v in evaluation.items()])
     else:
         lines.append("No evaluation run scored these runs' policies (run `kedro run --pipelines evaluation`).")
+    gate_rows = gates(experiments)
+    summary["gates"] = gate_rows
+    lines += ["", "## Gates", ""]
+    lines += (_table(["node: gate", *labels], [[k, *v] for k, v in gate_rows.items()]) if gate_rows
+              else ["No gate results (evaluation.gate, <stage>.gate.* unset)."])
     lines += ["", "## Params that differ", ""]
     lines += _table(["param", *labels], [[k, *v] for k, v in params.items()]) if params else ["None."]
     lines += ["", "## Final training metrics", ""]

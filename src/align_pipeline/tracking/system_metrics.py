@@ -2,6 +2,12 @@
 
 GPUs are found at run time through NVML (``pynvml`` from the ``nvidia-ml-py`` package); without a GPU, without the
 driver or without the package only the CPU/memory metrics are returned. Sampling never raises.
+
+Why not MLflow's own monitor (``mlflow.system_metrics``, checked in 3.17)? It samples on a wall-clock thread with its
+own step counter, so its points do not line up with training steps; it logs straight to the server, so nothing of
+it reaches ``metrics.jsonl`` (the record kept when the store is down, re-logged later); it reads every GPU of the
+host, not the job's ``CUDA_VISIBLE_DEVICES``; and it has no process CPU / RSS. These samples are taken by rank 0 at
+its logging steps and go through :class:`~align_pipeline.tracking.RunLogger` like every other metric.
 """
 
 from __future__ import annotations

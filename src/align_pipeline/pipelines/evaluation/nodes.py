@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from align_pipeline.config import (
     EvaluationConfig,
@@ -17,18 +19,20 @@ from align_pipeline.config import (
 )
 from align_pipeline.config.checks import check_reward_model
 from align_pipeline.data.formats import Artifact, check_tokenized_with
+from align_pipeline.gates import gates_markdown, promotion
 from align_pipeline.launch import run_torchrun
 from align_pipeline.report import flat_metrics
+from align_pipeline.tracking.runs import tag_active_run
 
 log = logging.getLogger(__name__)
 
 
 def evaluate_policies(tokenizer: Artifact, prompts_val: Artifact, pref_val: Artifact, sft_val: Artifact,
                       parallel: dict, launch: dict, evaluation: dict, reward_model: str | None = None,
-                      **policies: str) -> tuple[str, dict[str, float]]:
+                      **policies: str) -> tuple[str, dict[str, float], dict[str, Any]]:
     """``policies``: catalog name (``<stage>_policy``) -> checkpoint path; ``reward_model`` None skips the RM metrics.
 
-    Returns (report dir, flat metrics)."""
+    Returns (report dir, flat metrics, the promoted policy: the best one passing ``evaluation.gate``)."""
     cfg = from_dict(EvaluationConfig, evaluation, "params:evaluation")
     check_reward_model(cfg.reward, reward_model, "params:evaluation.reward")
     check_tokenized_with(tokenizer, prompts_val=prompts_val, pref_val=pref_val, sft_val=sft_val)
@@ -46,6 +50,31 @@ def evaluate_policies(tokenizer: Artifact, prompts_val: Artifact, pref_val: Arti
                         lineage={"policies": named, "reward_model": reward_model, "prompts": prompts_val.fingerprint})
     result = run_torchrun("align_pipeline.train.evaluate", to_dict(job), from_dict(LaunchConfig, launch), run_dir,
                           name="evaluation")
-    log.info("Evaluation report %s, policies ranked:\n%s", result["output_dir"],
+    promoted = promote(result["report"], policies, cfg, Path(result["output_dir"]))
+    log.info("Evaluation (stored as the eval_report catalog version once the node ends):\n%s",
              (Path(result["output_dir"]) / "report.md").read_text())
-    return result["output_dir"], flat_metrics(result["report"])  # the names the job logged them under
+    metrics = flat_metrics(result["report"])  # the names the job logged them under
+    metrics.update({f"{name}/gates_passed": float(passed) for name, passed in promoted["passed"].items()})
+    return result["output_dir"], metrics, promoted
+
+
+def promote(report: dict[str, Any], policies: dict[str, str], cfg: EvaluationConfig, out_dir: Path) -> dict[str, Any]:
+    """Apply ``evaluation.gate`` to the report's policies: ``gates.json`` and a "Gates" section in ``report.md``,
+    ``gate.*`` / ``promoted`` tags on the node's MLflow run; returns the ``promoted_policy`` entry (the policy's
+    name, catalog dataset, version and path; all None when no policy passed)."""
+    results, best = promotion(report["policies"], report["ranking"], "sft" if "sft" in report["policies"] else None,
+                              cfg.gate.min_gain_over_sft, cfg.gate.max_kl_to_reference)
+    dataset = f"{best}_policy" if best else None
+    path = policies.get(dataset) if dataset else None
+    entry = {"policy": best, "dataset": dataset, "version": Path(path).parent.name if path else None, "path": path,
+             "accuracy": report["policies"][best].get("accuracy") if best else None,
+             "gates": {name: [r.as_dict() for r in checks] for name, checks in results.items()},
+             "passed": {name: all(r.passed for r in checks) for name, checks in results.items()}}
+    (out_dir / "gates.json").write_text(json.dumps(entry, indent=1))
+    with (out_dir / "report.md").open("a") as f:
+        f.write("\n" + gates_markdown(results, best))
+    tags = {f"gate.{name}.{r.gate.rsplit('.', 1)[-1]}": "pass" if r.passed else "fail"
+            for name, checks in results.items() for r in checks}
+    tags["promoted"] = f"{dataset}@{entry['version']}" if best else "none"
+    tag_active_run(tags)
+    return entry

@@ -13,5 +13,5 @@ def create_pipeline(policies: list[str] | None = None, reward_model: bool = True
               **{p: p for p in (policies or POLICIES)}}
     if reward_model:
         inputs["reward_model"] = "reward_model"
-    return pipeline([node(evaluate_policies, inputs=inputs, outputs=["eval_report", "evaluation_metrics"],
+    return pipeline([node(evaluate_policies, inputs=inputs, outputs=["eval_report", "evaluation_metrics", "promoted_policy"],
                           name="evaluate_policies")])

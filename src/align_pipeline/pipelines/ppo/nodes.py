@@ -5,7 +5,7 @@ from __future__ import annotations
 from align_pipeline.config import PPOConfig, PPOJob, PPOPaths, to_dict
 from align_pipeline.config.checks import check_reward_model
 from align_pipeline.data.formats import Artifact
-from align_pipeline.pipelines.common import launch_stage, rl_metrics, rl_paths, typed_params
+from align_pipeline.pipelines.common import check_rl_gate, launch_stage, rl_metrics, rl_paths, typed_params
 
 
 def train_ppo(tokenizer: Artifact, prompts_train: Artifact, prompts_val: Artifact, sft_policy: str,
@@ -15,6 +15,7 @@ def train_ppo(tokenizer: Artifact, prompts_train: Artifact, prompts_val: Artifac
     model_cfg, parallel_cfg, launch_cfg, cfg = typed_params(model, parallel, launch, ppo, PPOConfig, "ppo")
     if cfg.reward.reward_model_weight:
         check_reward_model(cfg.reward, reward_model, "params:ppo.reward")
+    check_rl_gate(cfg, "ppo", reward_model)  # the critic starts from the reward model: gated even at weight 0
     paths, lineage = rl_paths(cfg, "ppo", tokenizer=tokenizer, prompts_train=prompts_train, prompts_val=prompts_val,
                               sft_policy=sft_policy, reward_model=reward_model,
                               key={"model": model_cfg, "parallel": parallel_cfg, "ppo": cfg})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from align_pipeline.config import ConfigError, ReinforceConfig, ReinforceJob
 from align_pipeline.config.checks import check_reward_model
 from align_pipeline.data.formats import Artifact
-from align_pipeline.pipelines.common import launch_stage, rl_metrics, rl_paths, typed_params
+from align_pipeline.pipelines.common import check_rl_gate, launch_stage, rl_metrics, rl_paths, typed_params
 
 
 def train_reinforce(tokenizer: Artifact, prompts_train: Artifact, prompts_val: Artifact, sft_policy: str,
@@ -22,6 +22,7 @@ def train_reinforce(tokenizer: Artifact, prompts_train: Artifact, prompts_val: A
     if not cfg.reward.reward_model_weight:
         reward_model = None
     check_reward_model(cfg.reward, reward_model, "params:reinforce.reward")
+    check_rl_gate(cfg, "reinforce", reward_model)
     paths, lineage = rl_paths(cfg, "reinforce", tokenizer=tokenizer, prompts_train=prompts_train,
                               prompts_val=prompts_val, sft_policy=sft_policy, reward_model=reward_model,
                               key={"model": model_cfg, "parallel": parallel_cfg, "reinforce": cfg})

@@ -1,0 +1,61 @@
+"""What ``kedro run`` prints: one plain log record per line when the output is not a terminal.
+
+Kedro's default logging handler (rich) lays records out for a terminal; writing to a file or a pipe it still wraps
+them at 80 columns, so ``grep "iter 170/300" run.log`` misses lines and a traceback is cut into pieces. When the
+handler's console is not a terminal, :func:`plain_logging_when_piped` replaces it by a plain stream handler on the
+same stream: ``2026-12-04 11:05:18 INFO align_pipeline.launch.torchrun: [sft] step 20/300 | loss 1.2340 | ...``, one
+record per line, nothing wrapped. A terminal keeps rich. The MLflow hook calls it when Kedro has created the context
+(after Kedro configured logging); ``ALIGN_PLAIN_LOGS=1`` forces it, ``=0`` never.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+KNOWN_WARNINGS = (
+    # Megatron-core 0.16 on import without Transformer Engine / Apex (their fallbacks are what we run on)
+    "Transformer Engine and Apex are not installed",
+    # Megatron-core's own config defaults (cuda_graph_scope) and its use of torch.distributed.checkpoint
+    "full scope is deprecated",
+    "`load_state_dict` is deprecated",
+    "Please use DTensor instead and we are deprecating ShardedTensor",
+)
+"""Starts of third-party warning messages a user cannot act on, printed by every rank of every job: the launcher
+puts them in the jobs' ``PYTHONWARNINGS`` (:func:`job_warning_filters`) so they never reach the console."""
+
+PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+def plain_logging_when_piped(logger: logging.Logger | None = None) -> int:
+    """Replace every rich handler of ``logger`` (default: the root logger) whose console is not a terminal by a plain
+    one-line-per-record stream handler (same stream, level and filters); returns how many were replaced."""
+    force = os.environ.get("ALIGN_PLAIN_LOGS", "")
+    if force == "0":
+        return 0
+    logger = logger or logging.getLogger()
+    replaced = 0
+    for handler in list(logger.handlers):
+        console = getattr(handler, "console", None)  # rich.logging.RichHandler (Kedro's subclass)
+        if console is None or (console.is_terminal and force != "1"):
+            continue
+        plain = logging.StreamHandler(console.file)
+        plain.setLevel(handler.level)
+        plain.setFormatter(logging.Formatter(PLAIN_FORMAT, DATE_FORMAT))
+        for f in handler.filters:
+            plain.addFilter(f)
+        logger.removeHandler(handler)
+        logger.addHandler(plain)
+        replaced += 1
+    return replaced
+
+
+def job_warning_filters(existing: str | None = None) -> str:
+    """``PYTHONWARNINGS`` for a job: ignore :data:`KNOWN_WARNINGS`, after the user's own ``existing`` filters (which
+    come first and so win)."""
+    ours = [f"ignore:{message}" for message in KNOWN_WARNINGS]
+    return ",".join([*([existing] if existing else []), *ours])
+
+
+__all__ = ["KNOWN_WARNINGS", "job_warning_filters", "plain_logging_when_piped"]

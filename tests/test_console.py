@@ -1,0 +1,52 @@
+"""The console of `kedro run`: plain one-line records when piped (rich kept on a terminal), known third-party warnings
+filtered out of the jobs."""
+
+from __future__ import annotations
+
+import io
+import logging
+import subprocess
+import sys
+
+from rich.console import Console
+
+from align_pipeline.console import KNOWN_WARNINGS, job_warning_filters, plain_logging_when_piped
+
+
+def _logger(name: str, terminal: bool) -> tuple[logging.Logger, io.StringIO]:
+    from kedro.logging import RichHandler
+
+    stream = io.StringIO()
+    logger = logging.getLogger(name)
+    logger.handlers.clear()
+    logger.propagate = False
+    logger.addHandler(RichHandler(console=Console(file=stream, force_terminal=terminal, width=80)))
+    logger.setLevel(logging.INFO)
+    return logger, stream
+
+
+def test_a_piped_console_gets_one_unwrapped_line_per_record():
+    logger, stream = _logger("align_test_piped", terminal=False)
+    assert plain_logging_when_piped(logger) == 1
+    message = "[ppo] iter 170/300 | " + "reward 0.412 | " * 20  # far beyond 80 columns
+    logger.info(message)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(" INFO align_test_piped: " + message)
+
+
+def test_a_terminal_keeps_rich():
+    logger, _ = _logger("align_test_tty", terminal=True)
+    assert plain_logging_when_piped(logger) == 0
+    assert type(logger.handlers[0]).__name__ == "RichHandler"
+
+
+def test_jobs_ignore_the_known_warnings_and_keep_the_users_filters():
+    value = job_warning_filters("error::DeprecationWarning")
+    assert value.startswith("error::DeprecationWarning,ignore:")
+    code = ("import warnings\n"
+            + "".join(f"warnings.warn({m!r} + ' (rest of the message)', UserWarning)\n" for m in KNOWN_WARNINGS)
+            + "warnings.warn('something else', UserWarning)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env={"PYTHONWARNINGS": job_warning_filters()},
+                          capture_output=True, text=True, check=True)
+    assert "something else" in proc.stderr
+    assert not any(m in proc.stderr for m in KNOWN_WARNINGS), proc.stderr
