@@ -210,3 +210,7 @@ def test_compare_command_by_filter_and_version_logs_the_report(runs, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "align_pipeline", "compare", "no-such-version"], cwd=project, env=env,
                          capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "no kedro run, MLflow run or catalog version matches 'no-such-version'" in bad.stderr
+    elsewhere = subprocess.run([sys.executable, "-m", "align_pipeline", "compare", "--last", "2"], cwd=tmp_path,
+                               env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert elsewhere.returncode == 2 and "no MLflow store at" in elsewhere.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # not created by looking

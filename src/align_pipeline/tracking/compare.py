@@ -378,6 +378,9 @@ def store(tracking_uri: str | None, experiment: str | None) -> tuple[Any, str, s
     from align_pipeline.tracking.probe import unreachable
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(Path.cwd())
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():  # MLflow would create it
+        raise CompareError(f"no MLflow store at {uri.removeprefix('sqlite:///')}: run from the project directory or "
+                           "pass --tracking-uri")
     reason = unreachable(uri)
     if reason is not None:
         raise CompareError(f"MLflow at {uri} is unreachable ({reason})")
