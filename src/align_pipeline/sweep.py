@@ -37,7 +37,14 @@ def grid_points(grids: list[str]) -> list[dict[str, str]]:
 def main(argv: list[str], store_args=None) -> int:
     import argparse
 
-    from align_pipeline.tracking.compare import CompareError, log_report, resolve, store, write_report
+    from align_pipeline.tracking.compare import (
+        CompareError,
+        default_out_dir,
+        log_report,
+        resolve,
+        store,
+        write_report,
+    )
 
     parser = argparse.ArgumentParser(
         prog="align-pipeline sweep",
@@ -83,8 +90,6 @@ def main(argv: list[str], store_args=None) -> int:
     try:
         client, experiment_id, uri = store(env.get("MLFLOW_TRACKING_URI"), env.get("MLFLOW_EXPERIMENT_NAME"))
         experiments = resolve(client, [experiment_id], filter_string=f"tags.`align.sweep` = '{sweep_id}'")
-        from align_pipeline.tracking.compare import default_out_dir
-
         out = args.out or default_out_dir()
         write_report(client, experiments, out)
     except CompareError as exc:
