@@ -440,7 +440,8 @@ class MlflowHook:
     def after_dataset_saved(self, dataset_name: str, data: Any, node: Any) -> None:
         """Tag a stored checkpoint's catalog version (``lineage.out.<name>``) on the node's child run and the parent;
         after the node's last output is stored: end its child run FINISHED and delete its run directory."""
-        version = self._save_version if data and self._is_checkpoint(dataset_name) else None
+        stored = isinstance(data, str) and bool(data)  # a checkpoint node returns its directory ("" = nothing)
+        version = self._save_version if stored and self._is_checkpoint(dataset_name) else None
         if version:
             try:  # <filepath>/<version>/<name>: where the catalog moved the node's directory
                 where = self._catalog.get(dataset_name)._get_versioned_path(version)
