@@ -21,10 +21,8 @@ Writes ``<out>/packing.json`` and ``<out>/packing.md`` (the docs/benchmarks.md s
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from sft_scaling import PRESETS, device_name, make_hf_init, versions
+from sft_scaling import PRESETS, make_hf_init, run_header
 
 PRESETS = {**PRESETS, "1b_4k": {**PRESETS["1b"], "seq_length": 4096}, "tiny_256": {**PRESETS["tiny"], "seq_length": 256}}
 
@@ -136,9 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[packing] {name}: {row['tokens_per_s']:,.0f} non-padding tokens/s, {row['step_time_s']:.3f} s/step, "
               f"{row['tokens_per_step']:,.0f} tokens/step, val loss {row['val_loss']:.4f}", flush=True)
     speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-    report = {"command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "device": device_name(), "versions": versions(), "preset": args.preset, "parameters": params,
+    report = {**run_header(), "preset": args.preset, "parameters": params,
               "precision": "bf16" if bf16 else "fp32", "settings": vars(args), "lengths": data["lengths"],
               "rows": rows, "speedup": speedup}
     (out / "packing.json").write_text(json.dumps(report, indent=2))

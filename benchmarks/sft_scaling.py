@@ -222,9 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     r["reshard_val_loss_diff"] = abs(at_1 - r["val_loss"])
                     if r["reshard_val_loss_diff"] > args.loss_tol:
                         failures.append(f"{lay} checkpoint at TP=1 PP=1: val loss {at_1:.5f} vs {r['val_loss']:.5f}")
-    report = {"command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "device": device_name(), "versions": versions(), "preset": args.preset, "parameters": params,
+    report = {**run_header(), "preset": args.preset, "parameters": params,
               "precision": "bf16" if bf16 else "fp32", "settings": vars(args), "rows": rows, "failures": failures}
     (out / "scaling.json").write_text(json.dumps(report, indent=2))
     (out / "scaling.md").write_text(markdown(report))
@@ -232,6 +230,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for f in failures:
         print(f"[scaling] FAILED: {f}", flush=True)
     return report
+
+
+def run_header(extra_versions: dict[str, str] | None = None) -> dict[str, Any]:
+    """What every benchmark report starts with: the command as typed, the UTC date, the device, library versions."""
+    return {"command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": device_name(), "versions": {**versions(), **(extra_versions or {})}}
 
 
 def device_name() -> str:

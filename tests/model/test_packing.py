@@ -57,13 +57,16 @@ def results(tiny_models, tmp_path_factory):
     assert len(set(lengths[samples].tolist())) > 3  # varied lengths, several samples per packed row
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     out = {}
-    for tp in (1, 2):
-        run_dir = tmp / f"tp{tp}"
+    # "2f": TP=2 with sequence parallelism and the fused kernels (model/kernels.py: compiled RoPE, SwiGLU, norms)
+    for key, parallel in ((1, {}), (2, {}), ("2f", {"sequence_parallel": True, "kernels": "fused"})):
+        tp = 1 if key == 1 else 2
+        run_dir = tmp / f"tp{key}"
         run_dir.mkdir()
-        config = {"checkpoint": tiny_models["sft"], "parallel": {"tensor_model_parallel_size": tp}, "data": data,
-                  "samples": samples, "pairs": tiny_models["pref"]["val"], "reward_model": tiny_models["rm"]}
+        config = {"checkpoint": tiny_models["sft"], "parallel": {"tensor_model_parallel_size": tp, **parallel},
+                  "data": data, "samples": samples, "pairs": tiny_models["pref"]["val"],
+                  "reward_model": tiny_models["rm"]}
         run_torchrun("packing_worker", config, LaunchConfig(nproc_per_node=tp), run_dir, env=env)
-        out[tp] = json.loads((run_dir / "result.json").read_text())
+        out[key] = json.loads((run_dir / "result.json").read_text())
     return out
 
 
@@ -93,6 +96,13 @@ def test_packed_pairs_equal_padded_pairs_for_dpo_and_the_reward_model(results):
             np.testing.assert_allclose(r[f"pair_reward_{pooling}_packed"], r[f"pair_reward_{pooling}_padded"],
                                        rtol=0, atol=1e-5)
     np.testing.assert_allclose(results[2]["pair_logps_packed"], results[1]["pair_logps_packed"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_fused_kernels_with_sequence_parallel_equal_eager_tp1(results):
+    fused, eager = results["2f"], results[1]
+    for key in ("padded", "packed", "pair_logps_padded", "pair_logps_packed", "pair_reward_last_packed"):
+        np.testing.assert_allclose(fused[key], eager[key], rtol=0, atol=1e-5, err_msg=key)
 
 
 @pytest.mark.gpu

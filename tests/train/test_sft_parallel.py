@@ -40,6 +40,11 @@ def reference(data, tmp_path_factory):
         ("dp2", {}),
         ("dp2_distopt", {"use_distributed_optimizer": True}),
         ("dp2_recompute", {"recompute_granularity": "full"}),
+        # the LM loss from hidden states 5 / 7 tokens at a time (parallel.logits_chunk_tokens), at TP=2 with and
+        # without sequence parallelism; with it, the fused kernels (compiled RoPE, SwiGLU, norms) too
+        ("tp2_chunked", {"tensor_model_parallel_size": 2, "logits_chunk_tokens": 5}),
+        ("tp2_sp_fused_chunked", {"tensor_model_parallel_size": 2, "sequence_parallel": True, "kernels": "fused",
+                                  "logits_chunk_tokens": 7}),
     ],
 )
 def test_world_size_2_matches_world_size_1(data, reference, tmp_path, name, parallel):

@@ -119,10 +119,20 @@ class ParallelConfig:
     """Layers per recompute chunk for full recomputation."""
     bf16: bool = False
     """Train in bf16 with fp32 main weights (GPU)."""
+    kernels: Literal["auto", "fused", "eager"] = "auto"
+    """Small elementwise operations (RoPE, SwiGLU, norms) of the non-TE layer spec: fused = one compiled kernel per
+    operation and direction (``torch.compile``), eager = Megatron's unfused PyTorch code; auto = fused on CUDA, eager
+    on CPU. Transformer Engine's spec brings its own fused kernels."""
+    logits_chunk_tokens: int = 0
+    """The LM loss of SFT and DPO without whole-vocabulary logits: 0 = the output layer computes the logits of every
+    token of a micro-batch ([tokens, V/TP], plus their fp32 softmax); N = the loss is computed from the hidden states
+    N tokens at a time, each chunk's logits recomputed in the backward pass (memory N x V/TP instead; one more output
+    GEMM). For large vocabularies (Llama 3: 128k, Qwen: 152k) at long sequences."""
 
     def validate(self, where: str = "parallel") -> None:
         require_at_least(self, where, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                          "recompute_num_layers")
+        require_at_least(self, where, 0, "logits_chunk_tokens")
 
 
 @dataclass

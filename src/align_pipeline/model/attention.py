@@ -52,9 +52,6 @@ class SDPAttention(DotProductAttention):
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if groups > 1:  # GQA: [b, ng, sk, hn] -> [b, np, sk, hn]
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
 
         causal = mask_type == AttnMaskType.causal
         sdpa_mask = None
@@ -72,15 +69,24 @@ class SDPAttention(DotProductAttention):
             # A query that may attend to nothing (e.g. a left-padding row) would give NaN; let it see every key instead
             # (its output is never used, but NaN would spread through 0 * NaN later).
             sdpa_mask = sdpa_mask | ~sdpa_mask.any(-1, keepdim=True)
+        # GQA: the kernels read each key/value head for its group of query heads (enable_gqa) where SDPA takes that
+        # with the mask at hand; with an explicit mask the heads are repeated ([b, ng, sk, hn] -> [b, np, sk, hn]),
+        # as the memory-efficient kernel that masks need may not take GQA.
+        gqa = groups > 1
+        if gqa and sdpa_mask is not None:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            gqa = False
         dropout_p = self.attention_dropout.p if self.training else 0.0
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 context = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale
+                    q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale,
+                    enable_gqa=gqa,
                 )
         else:
             context = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale
+                q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale,
+                enable_gqa=gqa,
             )
         # [b, np, sq, hn] -> [sq, b, np*hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)

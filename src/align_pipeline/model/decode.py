@@ -66,7 +66,8 @@ class DecodeEngine:
         # once: 5 kernels a layer instead of Megatron's ~24 (it recomputes cos and sin per layer and per tensor),
         # with Megatron's exact arithmetic. Other variants keep Megatron's own application.
         cfg = gpt.config
-        self.rope = self.freqs is not None and not (cfg.rotary_interleaved or cfg.apply_rope_fusion
+        # (apply_rope_fusion is only ever ours, model/kernels.py: the same rotation.)
+        self.rope = self.freqs is not None and not (cfg.rotary_interleaved
                                                     or getattr(cfg, "multi_latent_attention", False))
         if self.rope:
             mscale = _yarn_get_concentration_factor_from_config(cfg)

@@ -24,9 +24,9 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from align_pipeline.config import ModelConfig, ParallelConfig
-from align_pipeline.model import rope
+from align_pipeline.model import kernels, rope
 from align_pipeline.model.attention import SDPAttention
-from align_pipeline.model.norm import TorchNorm
+from align_pipeline.model.norm import FusedTorchNorm, TorchNorm
 
 
 def have_transformer_engine() -> bool:
@@ -94,7 +94,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides
         "use_cpu_initialization": not on_gpu,
         "perform_initialization": True,
         "calculate_per_token_loss": True,
-        # Fusions that need CUDA kernels (or Apex/TE) are off; SDPA provides the fused attention.
+        # Fusions that need Apex/TE are off; SDPA provides the fused attention, parallel.kernels the fused RoPE,
+        # SwiGLU and norms (model/kernels.py).
         "masked_softmax_fusion": False,
         "bias_activation_fusion": False,
         "bias_dropout_fusion": False,
@@ -105,35 +106,44 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides
         "recompute_method": "uniform" if recompute == "full" else None,
         "recompute_num_layers": parallel.recompute_num_layers if recompute == "full" else None,
     }
+    fused = kernels.use_fused(parallel.kernels, resolve_attention_backend(model))
+    kwargs.update(kernels.config_overrides(fused, model.activation == "swiglu", model.add_bias_linear))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def block_spec(model: ModelConfig, config: TransformerConfig, pp_rank: int) -> ModuleSpec | TransformerBlockSubmodules:
+def block_spec(model: ModelConfig, config: TransformerConfig, pp_rank: int, fused: bool = False,
+               ) -> ModuleSpec | TransformerBlockSubmodules:
     """Decoder spec for the resolved attention backend.
 
     TE: Megatron's TE layer spec. Otherwise the local spec with :class:`SDPAttention` (unless ``local``) and
-    :class:`TorchNorm` for every norm (also the final one), so sequence parallelism works without Apex/TE.
+    :class:`TorchNorm` for every norm (also the final one), so sequence parallelism works without Apex/TE; ``fused``:
+    the compiled norms (:class:`FusedTorchNorm`).
     """
     backend = resolve_attention_backend(model)
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+    norm = FusedTorchNorm if fused else TorchNorm
     layer = get_gpt_layer_local_spec(normalization=model.normalization, qk_layernorm=model.qk_layernorm)
     attn = layer.submodules.self_attention
     replaced = {"core_attention": SDPAttention} if backend == "sdpa" else {}
     if model.qk_layernorm:
-        replaced |= {"q_layernorm": TorchNorm, "k_layernorm": TorchNorm}
+        replaced |= {"q_layernorm": norm, "k_layernorm": norm}
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, **replaced))
+    mlp = layer.submodules.mlp
+    if config.use_te_activation_func:  # set by kernels.config_overrides: the fused SwiGLU module
+        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules,
+                                                                      activation_func=kernels.FusedSwiGLU))
     layer = dataclasses.replace(
         layer,
         submodules=dataclasses.replace(
-            layer.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm, self_attention=attn
+            layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attn, mlp=mlp
         ),
     )
     n_local = get_num_layers_to_build(config, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * n_local, layer_norm=TorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n_local, layer_norm=norm)
 
 
 def build_gpt(
@@ -147,9 +157,10 @@ def build_gpt(
 ) -> GPTModel:
     """One pipeline stage of the GPT (``pre_process``/``post_process`` = first/last stage), on the current device."""
     config = transformer_config(model, parallel)
+    fused = kernels.use_fused(parallel.kernels, resolve_attention_backend(model))
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(model, config, pg_collection.pp.rank()),
+        transformer_layer_spec=block_spec(model, config, pg_collection.pp.rank(), fused=fused),
         vocab_size=padded_vocab_size(vocab_size, model, parallel.tensor_model_parallel_size),
         max_sequence_length=model.seq_length,
         pre_process=pre_process,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from align_pipeline.model.logprobs import token_nll
+from align_pipeline.model.logprobs import chunked_token_nll, token_nll
 
 
 def position_ids(input_ids: torch.Tensor) -> torch.Tensor:
@@ -34,6 +34,44 @@ def run(module, input_ids: torch.Tensor, batch: dict[str, torch.Tensor] | None =
                                  max_seqlen_kv=longest)
         return module(input_ids, batch["position_ids"], None, packed_seq_params=params)
     return module(input_ids, position_ids(input_ids), None)
+
+
+def gpt_of(module):
+    """The GPTModel inside Megatron's wrappers (DDP, Float16Module)."""
+    while not hasattr(module, "decoder") and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def run_lm_hidden(module, input_ids: torch.Tensor, batch: dict[str, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """:func:`run` with the LM head left out on the last stage: (final hidden states [b, s, h] ([b, s/tp, h] with
+    sequence parallelism), this rank's output weight [V/tp, h], whether the hidden states are sequence shards), for
+    :func:`~align_pipeline.model.logprobs.chunked_token_nll`. Other pipeline stages: (their output, None, False)."""
+    gpt = gpt_of(module)
+    head = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
+    if head is None:
+        return run(module, input_ids, batch), None, False
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else head.weight
+    head.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)  # this call only
+    try:
+        out = run(module, input_ids, batch)
+    finally:
+        del head.forward
+    return out, weight, bool(head.sequence_parallel)
+
+
+def lm_token_nll_forward(vocab_size: int, tp_rank: int, chunk: int = 0):
+    """(module, input_ids, labels, batch) -> (output, nll_fn): the model's output for the micro-batch and a function of
+    it giving -log p(label) [b, s] (fp32). ``chunk`` 0: whole logits (:func:`token_nll`); > 0: from the hidden states,
+    ``chunk`` tokens' logits at a time (:func:`chunked_token_nll`)."""
+    def forward(module, input_ids, labels, batch=None):
+        if not chunk:
+            return run(module, input_ids, batch), lambda logits: token_nll(logits, labels, vocab_size, tp_rank)
+        hidden, weight, sp = run_lm_hidden(module, input_ids, batch)
+        return hidden, lambda h: chunked_token_nll(h, weight, labels, vocab_size, chunk, sp)
+
+    return forward
 
 
 def pair_batch(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -20,8 +20,7 @@ from align_pipeline.config.checks import check_job
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.preference import PreferenceLogps, combine, get_preference_loss
 from align_pipeline.model import init
-from align_pipeline.model.logprobs import token_nll
-from align_pipeline.model.sequences import pair_batch, per_sequence_sum, run
+from align_pipeline.model.sequences import lm_token_nll_forward, pair_batch, per_sequence_sum
 from align_pipeline.tracking import RunLogger
 from align_pipeline.train.core import supervised
 from align_pipeline.train.core.batches import load_split_batches
@@ -46,16 +45,18 @@ def with_reference(arrays: dict[str, np.ndarray], ref, split: str) -> dict[str, 
     return {**arrays, **extra}
 
 
-def preference_loss(lc: PreferenceLossConfig, vocab_size: int, tp_rank: int):
-    """(module, pair batch) -> (logits, loss_fn): sequence log-probs of chosen and rejected -> the preference loss."""
+def preference_loss(lc: PreferenceLossConfig, vocab_size: int, tp_rank: int, logits_chunk: int = 0):
+    """(module, pair batch) -> (output, loss_fn): sequence log-probs of chosen and rejected -> the preference loss
+    (``logits_chunk``: ``parallel.logits_chunk_tokens``)."""
     loss = functools.partial(get_preference_loss(lc.name), beta=lc.beta, **lc.options)
+    nll_forward = lm_token_nll_forward(vocab_size, tp_rank, logits_chunk)
 
     def forward_loss(module, batch):
         ids, labels, mask = pair_batch(batch)  # [2b, s] (packed: [1, T])
-        logits = run(module, ids, batch)  # [2b, s, V/tp]
+        output, nll = nll_forward(module, ids, labels, batch)  # logits [2b, s, V/tp] or hidden states (chunked)
 
-        def loss_fn(logits):
-            logps = -per_sequence_sum(token_nll(logits, labels, vocab_size, tp_rank) * mask, batch)  # [2b]
+        def loss_fn(output):
+            logps = -per_sequence_sum(nll(output) * mask, batch)  # [2b]
             (pc, pr), (tc, tr) = logps.chunk(2), per_sequence_sum(mask, batch).chunk(2)  # [b] each
             pairs = PreferenceLogps(
                 policy_chosen=pc, policy_rejected=pr,
@@ -66,7 +67,7 @@ def preference_loss(lc: PreferenceLossConfig, vocab_size: int, tp_rank: int):
             out = loss(pairs)
             return combine(out, -pc, tc, weight=lc.sft_weight) if lc.sft_weight else out
 
-        return logits, loss_fn
+        return output, loss_fn
 
     return forward_loss
 
@@ -85,7 +86,8 @@ def main(job: DPOJob) -> dict:
     train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist,
                                     extra=lambda arrays, split: with_reference(arrays, ref, split),
                                     packing=job.dpo.packing)
-    loss, seq_length = preference_loss(lc, source.vocab_size, dist.tp_rank), source.model.seq_length
+    loss = preference_loss(lc, source.vocab_size, dist.tp_rank, job.parallel.logits_chunk_tokens)
+    seq_length = source.model.seq_length
     loss_name = "loss" if lc.sft_weight else f"{lc.name}_loss"
     metric_names = [f"{lc.name}_loss", "accuracy", "rewards_chosen", "rewards_rejected", "rewards_margin",
                     "logps_chosen", "logps_rejected"] + (["sft_loss", "loss"] if lc.sft_weight else [])

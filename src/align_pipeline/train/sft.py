@@ -17,8 +17,7 @@ from align_pipeline.config.checks import check_job
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.sft import masked_token_loss
 from align_pipeline.model import init
-from align_pipeline.model.logprobs import token_nll
-from align_pipeline.model.sequences import run
+from align_pipeline.model.sequences import lm_token_nll_forward
 from align_pipeline.tracking import RunLogger
 from align_pipeline.train.core import supervised
 from align_pipeline.train.core.batches import load_split_batches
@@ -32,16 +31,19 @@ from align_pipeline.train.core.schedule import evaluate_loss
 METRICS = ["lm_loss"]
 
 
-def sft_loss(vocab_size: int, tp_rank: int):
-    """(module, batch) -> (logits, loss_fn): masked token NLL of input_ids/labels/loss_mask [b, s]."""
+def sft_loss(vocab_size: int, tp_rank: int, logits_chunk: int = 0):
+    """(module, batch) -> (output, loss_fn): masked token NLL of input_ids/labels/loss_mask [b, s] (``logits_chunk``:
+    ``parallel.logits_chunk_tokens``)."""
+    nll_forward = lm_token_nll_forward(vocab_size, tp_rank, logits_chunk)
 
     def forward_loss(module, batch):
-        logits = run(module, batch["input_ids"], batch)  # [b, s, V/tp] on the last stage ([1, T, V/tp] packed)
+        # the last stage's logits [b, s, V/tp] ([1, T, V/tp] packed), or its hidden states when chunked
+        output, nll = nll_forward(module, batch["input_ids"], batch["labels"], batch)
 
-        def loss_fn(logits):
-            return masked_token_loss(token_nll(logits, batch["labels"], vocab_size, tp_rank), batch["loss_mask"])
+        def loss_fn(output):
+            return masked_token_loss(nll(output), batch["loss_mask"])
 
-        return logits, loss_fn
+        return output, loss_fn
 
     return forward_loss
 
@@ -57,7 +59,8 @@ def main(job: SFTJob) -> dict:
     log(dist, f"[sft] {dist.describe()} init={source.parent['kind']}:{paths.init_from}")
     policy = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist)
     train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist, packing=job.sft.packing)
-    loss, seq_length = sft_loss(source.vocab_size, dist.tp_rank), source.model.seq_length
+    loss = sft_loss(source.vocab_size, dist.tp_rank, job.parallel.logits_chunk_tokens)
+    seq_length = source.model.seq_length
     ckpts = Checkpoints.for_training({"model": (policy, paths.run_dir)}, cfg, job, "sft", dist)
     step, runlog, metrics = supervised.start("sft", job, ckpts, cfg, dist, logger)
 

@@ -15,6 +15,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from align_pipeline.config import OptimizerConfig, ParallelConfig
 from align_pipeline.model import memory
 from align_pipeline.model.init import ModelSource, build_model
+from align_pipeline.train.core import profiling
 from align_pipeline.train.core.distributed import Dist
 from align_pipeline.train.core.schedule import ForwardLoss, run_microbatches
 
@@ -97,7 +98,7 @@ def train_step(t: Trainable, microbatches: list[dict[str, torch.Tensor]], forwar
 
     Returns the loss metrics (means over the loss's count, over every micro-batch and DP rank) with ``grad_norm``,
     the ``lr`` of the step and ``update_skipped`` (1 when the optimizer skipped it: a non-finite gradient)."""
-    with memory.phase("train"):
+    with memory.phase("train"), profiling.maybe_profile(dist.rank):
         t.model.zero_grad_buffer()
         t.optimizer.zero_grad()
         metrics = run_microbatches(t.model, microbatches, forward_loss, metric_names, dist, seq_length,
