@@ -188,3 +188,38 @@ def test_token_entropy_is_over_the_real_vocabulary():
     (g,) = torch.autograd.grad(h.sum(), logits)
     (g_plain,) = torch.autograd.grad(plain.sum(), logits)
     assert torch.allclose(g, g_plain, atol=1e-6) and g[..., 6:].abs().max() == 0
+
+
+def test_run_log_reports_peak_memory_per_phase(tmp_path, monkeypatch, capsys):
+    """A job's end: each phase's peak (training step, validation, save) as a line, MLflow metrics at the last step and
+    in result.json; nothing without an accelerator (no phase ran)."""
+    import json
+
+    from align_pipeline.model import memory
+    from align_pipeline.train.core.progress import RunLog
+
+    class Logger:
+        def __init__(self):
+            self.logged = []
+
+        def log_metrics(self, metrics, step=None):
+            self.logged.append((dict(metrics), step))
+
+        def close(self):
+            pass
+
+        def copy_metrics_to(self, path):
+            pass
+
+    logger = Logger()
+    monkeypatch.setattr(memory, "_PEAKS", {"train": int(33.7 * 2**30), "save": 20 * 2**30})
+    result = RunLog("sft", dist(), logger, total=30, start=0, interval=10).finish(tmp_path, {"step": 30})
+    assert result["peak_memory_by_phase_gib"] == {"train": 33.7, "save": 20.0}
+    assert logger.logged == [({"memory/peak_train_gib": 33.7, "memory/peak_save_gib": 20.0}, 30)]
+    assert json.loads((tmp_path / "result.json").read_text())["peak_memory_by_phase_gib"]["train"] == 33.7
+    assert "peak accelerator memory (rank 0): train 33.7 GiB, save 20.0 GiB" in capsys.readouterr().out
+
+    monkeypatch.setattr(memory, "_PEAKS", {})
+    logger = Logger()
+    result = RunLog("sft", dist(), logger, total=30, start=0, interval=10).finish(tmp_path, {"step": 30})
+    assert "peak_memory_by_phase_gib" not in result and logger.logged == []

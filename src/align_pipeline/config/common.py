@@ -136,6 +136,35 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on a training stage's linears (``model/lora.py``): the base weights frozen, only the adapters
+    train. ``rank`` 0 = off (full fine-tuning)."""
+
+    rank: int = 0
+    """Adapter rank r (0 = no adapters)."""
+    alpha: float = 16.0
+    """Scaling numerator: the adapter's output is multiplied by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training."""
+    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1",
+                                                                "linear_fc2"])
+    """Megatron linears that get adapters: linear_qkv / linear_proj (attention in / out), linear_fc1 / linear_fc2
+    (MLP in / out)."""
+
+    def validate(self, where: str = "lora") -> None:
+        require_at_least(self, where, 0, "rank")
+        if self.rank and self.alpha <= 0:
+            raise ConfigError(f"{where}.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"{where}.dropout must be in [0, 1), got {self.dropout}")
+        known = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+        unknown = [m for m in self.target_modules if m not in known]
+        if unknown or (self.rank and not self.target_modules):
+            raise ConfigError(f"{where}.target_modules={self.target_modules}: each must be one of {list(known)} "
+                              "(at least one when rank > 0)")
+
+
+@dataclass
 class LaunchConfig:
     """How a node starts its torchrun job."""
 

@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from align_pipeline.config import ModelConfig, ParallelConfig
+from align_pipeline.config import LoRAConfig, ModelConfig, ParallelConfig
 from align_pipeline.model import kernels, rope
 from align_pipeline.model.attention import SDPAttention
 from align_pipeline.model.norm import FusedTorchNorm, TorchNorm
@@ -113,14 +113,18 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides
 
 
 def block_spec(model: ModelConfig, config: TransformerConfig, pp_rank: int, fused: bool = False,
-               ) -> ModuleSpec | TransformerBlockSubmodules:
+               lora: LoRAConfig | None = None) -> ModuleSpec | TransformerBlockSubmodules:
     """Decoder spec for the resolved attention backend.
 
     TE: Megatron's TE layer spec. Otherwise the local spec with :class:`SDPAttention` (unless ``local``) and
     :class:`TorchNorm` for every norm (also the final one), so sequence parallelism works without Apex/TE; ``fused``:
-    the compiled norms (:class:`FusedTorchNorm`).
+    the compiled norms (:class:`FusedTorchNorm`); ``lora`` (rank > 0): adapters on its target linears
+    (:mod:`align_pipeline.model.lora`).
     """
     backend = resolve_attention_backend(model)
+    if backend == "te" and lora is not None and lora.rank:
+        raise ValueError("LoRA adapters go on Megatron's local linears: set model.attention_backend: sdpa "
+                         "(Transformer Engine's fused linears take none here)")
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -142,6 +146,10 @@ def block_spec(model: ModelConfig, config: TransformerConfig, pp_rank: int, fuse
             layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attn, mlp=mlp
         ),
     )
+    if lora is not None and lora.rank:
+        from align_pipeline.model.lora import lora_layer_spec
+
+        layer = lora_layer_spec(layer, lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
     n_local = get_num_layers_to_build(config, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * n_local, layer_norm=norm)
 
@@ -154,13 +162,15 @@ def build_gpt(
     *,
     pre_process: bool = True,
     post_process: bool = True,
+    lora: LoRAConfig | None = None,
 ) -> GPTModel:
-    """One pipeline stage of the GPT (``pre_process``/``post_process`` = first/last stage), on the current device."""
+    """One pipeline stage of the GPT (``pre_process``/``post_process`` = first/last stage), on the current device;
+    ``lora``: with adapters on its linears (base weights not frozen here: :func:`align_pipeline.model.lora.freeze_base`)."""
     config = transformer_config(model, parallel)
     fused = kernels.use_fused(parallel.kernels, resolve_attention_backend(model))
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(model, config, pg_collection.pp.rank(), fused=fused),
+        transformer_layer_spec=block_spec(model, config, pg_collection.pp.rank(), fused=fused, lora=lora),
         vocab_size=padded_vocab_size(vocab_size, model, parallel.tensor_model_parallel_size),
         max_sequence_length=model.seq_length,
         pre_process=pre_process,

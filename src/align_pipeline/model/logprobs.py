@@ -64,8 +64,14 @@ def token_entropy(logits: torch.Tensor, vocab_size: int, tp_rank: int, tp_group=
     return torch.log(total) - weighted / total  # H = log Z - E[z - m]
 
 
+def sum_grad_over_group(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward; backward: the gradient summed over ``group`` (every rank holds a partial one). Megatron's
+    ``copy_to_tensor_model_parallel_region`` does the same only for a contiguous gradient (it reduces a contiguous
+    copy of a non-contiguous one and returns the original)."""
+    return _SumGradOverGroup.apply(x, group)
+
+
 class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward: the gradient summed over ``group`` (every rank holds a partial one)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -148,7 +154,7 @@ def chunked_token_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     h = hidden.transpose(0, 1)  # [s', b, h]: Megatron's sequence-first layout
     if group is not None and group.size() > 1:
         h = gather_from_sequence_parallel_region(h, group=group) if sequence_parallel \
-            else _SumGradOverGroup.apply(h, group)
+            else sum_grad_over_group(h, group)
     b, s = labels.shape
     flat = h.transpose(0, 1).reshape(b * s, -1)  # [b*s, h], row-major over (row, position) like labels
     nll = _ChunkedLinearNLL.apply(flat, weight, labels.reshape(-1), vocab_size, chunk, group)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from align_pipeline.model import memory
 from align_pipeline.train.core.distributed import Dist, shutdown
 
 # (metric key, label, format) shown in a progress line when present, in this order.
@@ -87,7 +88,16 @@ class RunLog:
         return self.finish(run_dir, {key: at, "history": self.history})
 
     def finish(self, run_dir: str | Path, result: dict[str, Any]) -> dict[str, Any]:
-        """Rank 0 writes ``run_dir/result.json``; every rank closes its tracking and process groups."""
+        """Report the job's peak accelerator memory per phase (training step, validation, checkpoint save; a log line
+        and ``memory/peak_<phase>_gib`` metrics at the last step), then rank 0 writes ``run_dir/result.json``; every
+        rank closes its tracking and process groups."""
+        peaks = memory.peaks_gib()
+        if peaks:
+            log(self.dist, f"[{self.stage}] peak accelerator memory (rank 0): "
+                + ", ".join(f"{phase} {gib:.1f} GiB" for phase, gib in peaks.items()))
+            self.logger.log_metrics({f"memory/peak_{phase}_gib": gib for phase, gib in peaks.items()},
+                                    self.progress.total)
+            result = {**result, "peak_memory_by_phase_gib": peaks}
         return finish(self.dist, self.logger, run_dir, result)
 
 

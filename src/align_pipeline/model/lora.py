@@ -1,0 +1,163 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on Megatron-core's tensor-parallel linears.
+
+``y = W x + (alpha / r) · B A x`` with ``A`` [r, in], ``B`` [out, r]; ``B`` starts at zero, so a model with fresh
+adapters computes exactly what its base computes. The adapted layers are subclasses of Megatron's
+``ColumnParallelLinear`` / ``RowParallelLinear`` put into the layer spec (:func:`lora_layer_spec`), so the base
+weights keep their names and shards and the adapters sit beside them (``linear_qkv.lora_A``, ``linear_qkv.lora_B``).
+
+Tensor parallelism (TP ranks ``t``), the adapters sharded the way the base weight is:
+
+* column-parallel (``linear_qkv``, ``linear_fc1``; W sharded by output rows): ``A`` whole on every rank, ``B`` sharded
+  by rows like W. ``A x`` is the same on every rank; its gradient (``Bₜᵀ g``) is a partial sum per rank, summed over
+  TP before it reaches ``A`` and ``x``. With sequence parallelism ``x`` is gathered along the sequence first.
+* row-parallel (``linear_proj``, ``linear_fc2``; W sharded by input columns, input sharded): ``A`` sharded by
+  columns, ``B`` whole. ``Aₜ xₜ`` are partial sums, all-reduced (r numbers per token); ``B`` then gives the whole
+  output, of which sequence parallelism keeps this rank's sequence shard, as the base's reduce-scatter does.
+
+Adapter initialisation draws the whole ``A`` (Kaiming-uniform, as PEFT) from the default generator on every rank and
+keeps this rank's shard: every TP size starts from the same adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from align_pipeline.model.logprobs import sum_grad_over_group
+
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The Megatron linears an adapter can be put on (attention in/out projections, MLP in/out projections)."""
+
+
+def _init_a(rows: int, cols: int, shard: slice | None, dtype: torch.dtype) -> torch.Tensor:
+    """PEFT's A initialisation (Kaiming-uniform, a=sqrt(5): U(-1/sqrt(in), 1/sqrt(in))) of the whole [rows, cols],
+    drawn from the default generator on every rank; ``shard``: the columns this rank keeps."""
+    bound = 1.0 / math.sqrt(cols)
+    full = torch.empty(rows, cols, dtype=torch.float32).uniform_(-bound, bound)
+    return (full[:, shard] if shard is not None else full).to(dtype).contiguous()
+
+
+class _Adapter:
+    """What both adapted linears share: rank, scaling, dropout, the parameters' placement."""
+
+    def _adapter_init(self, rank: int, alpha: float, dropout: float) -> None:
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        self.lora_rank, self.lora_scaling, self.lora_dropout = rank, alpha / rank, dropout
+
+    def _place(self, tensor: torch.Tensor) -> torch.nn.Parameter:
+        device = self.weight.device
+        return torch.nn.Parameter(tensor.to(device=device, dtype=self.weight.dtype))
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+
+
+class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
+    """``ColumnParallelLinear`` + adapter: ``lora_A`` [r, in] (whole), ``lora_B`` [out/t, r] (this rank's rows)."""
+
+    def __init__(self, *args, lora_rank: int, lora_alpha: float, lora_dropout: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._adapter_init(lora_rank, lora_alpha, lora_dropout)
+        self.lora_A = self._place(_init_a(lora_rank, self.input_size, None, torch.float32))
+        self.lora_B = self._place(torch.zeros(self.output_size_per_partition, lora_rank))
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        output, bias = super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        x = input_
+        if self.sequence_parallel:  # [s/t, b, in] -> [s, b, in]; each rank's input gradient is then whole
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
+        z = F.linear(self._drop(x), self.lora_A)  # [s, b, r], the same on every rank
+        if self.tp_group.size() > 1:
+            z = sum_grad_over_group(z, self.tp_group)  # its gradient Bₜᵀ g is a partial sum per rank
+        y = F.linear(z, self.lora_B) * self.lora_scaling  # [s, b, out/t]
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather and self.tp_group.size() > 1:
+            y = gather_from_tensor_model_parallel_region(y, group=self.tp_group)
+        return output + y, bias
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        state_dict = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"weight": 0, "bias": 0, "lora_B": 0},
+                                                   sharded_offsets, tp_group=self.tp_group)
+
+
+class LoRARowParallelLinear(_Adapter, RowParallelLinear):
+    """``RowParallelLinear`` + adapter: ``lora_A`` [r, in/t] (this rank's columns), ``lora_B`` [out, r] (whole)."""
+
+    def __init__(self, *args, lora_rank: int, lora_alpha: float, lora_dropout: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._adapter_init(lora_rank, lora_alpha, lora_dropout)
+        t, rank = self.tp_group.size(), self.tp_group.rank()
+        part = self.input_size_per_partition
+        self.lora_A = self._place(_init_a(lora_rank, part * t, slice(rank * part, (rank + 1) * part), torch.float32))
+        self.lora_B = self._place(torch.zeros(self.output_size, lora_rank))
+
+    def forward(self, input_):
+        output, bias = super().forward(input_)
+        z = F.linear(self._drop(input_), self.lora_A)  # [s, b, r]: this rank's partial sum
+        if self.tp_group.size() > 1:
+            z = reduce_from_tensor_model_parallel_region(z, group=self.tp_group)
+        y = F.linear(z, self.lora_B) * self.lora_scaling  # [s, b, out], the same on every rank
+        if self.sequence_parallel:  # the base output is this rank's sequence shard (reduce-scatter)
+            y = scatter_to_sequence_parallel_region(y, group=self.tp_group)
+        return output + y, bias
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        state_dict = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"weight": 1, "lora_A": 1},
+                                                   sharded_offsets, tp_group=self.tp_group)
+
+
+def lora_layer_spec(layer, rank: int, alpha: float, dropout: float, targets: tuple[str, ...] = TARGETS):
+    """The transformer-layer spec (Megatron's local spec) with the ``targets`` linears adapted."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    unknown = set(targets) - set(TARGETS)
+    if unknown:
+        raise ValueError(f"LoRA target_modules {sorted(unknown)} are not among {list(TARGETS)}")
+    params = {"lora_rank": rank, "lora_alpha": alpha, "lora_dropout": dropout}
+
+    def adapted(base, name):
+        if name not in targets:
+            return base
+        if base is ColumnParallelLinear:
+            return ModuleSpec(module=LoRAColumnParallelLinear, params=params)
+        if base is RowParallelLinear:
+            return ModuleSpec(module=LoRARowParallelLinear, params=params)
+        raise ValueError(f"LoRA on {name}: the layer spec has {base!r}, not a Megatron column/row-parallel linear "
+                         "(Transformer Engine's fused linears take no adapters here; use attention_backend: sdpa)")
+
+    attn, mlp = layer.submodules.self_attention, layer.submodules.mlp
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(
+        attn.submodules, linear_qkv=adapted(attn.submodules.linear_qkv, "linear_qkv"),
+        linear_proj=adapted(attn.submodules.linear_proj, "linear_proj")))
+    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
+        mlp.submodules, linear_fc1=adapted(mlp.submodules.linear_fc1, "linear_fc1"),
+        linear_fc2=adapted(mlp.submodules.linear_fc2, "linear_fc2")))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attn, mlp=mlp))
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is an adapter's."""
+    return name.endswith(("lora_A", "lora_B"))
+
+
+def freeze_base(model: torch.nn.Module) -> int:
+    """Only adapter parameters train; returns how many parameters do."""
+    trainable = 0
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+        trainable += param.numel() if is_adapter(name) else 0
+    return trainable
