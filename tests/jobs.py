@@ -11,6 +11,7 @@ import numpy as np
 
 from align_pipeline.config import (
     LaunchConfig,
+    LoRAConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -86,7 +87,7 @@ def make_prompts(out: Path, tokenizer_dir: str) -> dict[str, str]:
 
 
 def sft_job(data: dict[str, str], run_dir: Path, **overrides: Any) -> SFTJob:
-    """A tiny SFT job; ``overrides``: training/parallel/model (dicts of fields), stop_after, init_from."""
+    """A tiny SFT job; ``overrides``: training/parallel/model/lora (dicts of fields), stop_after, init_from."""
     training = TrainingConfig(
         seed=7, train_steps=6, global_batch_size=8, micro_batch_size=2, log_interval=1, eval_interval=0,
         eval_samples=32, save_interval=0, optimizer=OptimizerConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2),
@@ -96,7 +97,8 @@ def sft_job(data: dict[str, str], run_dir: Path, **overrides: Any) -> SFTJob:
                        init_from=overrides.pop("init_from", None))
     model = overrides.pop("model", {})
     model = model if isinstance(model, ModelConfig) else dataclasses.replace(TINY_MODEL, **model)
-    return SFTJob(sft=SFTConfig(training=training), model=model,
+    lora = LoRAConfig(**overrides.pop("lora", {}))
+    return SFTJob(sft=SFTConfig(training=training, lora=lora), model=model,
                   parallel=ParallelConfig(**overrides.pop("parallel", {})), paths=paths, **overrides)
 
 

@@ -2,6 +2,7 @@
 
     {"run_dir": ..., "parallel": {...}}  ->  run_dir/result.json (rank 0) with
       "step0_max_diff": max |logits with fresh adapters - base logits|,
+      "merge_max_diff": max |logits of the plain model holding W + (alpha/r) B A - logits with the adapters|,
       "init_A": {module: whole A as initialised}, "logits": whole-vocabulary logits with set adapters,
       "loss": token NLL sum, "grads": {module.lora_X: whole gradient}, "base_grads": base params with a gradient,
       "trainable": adapter parameter count
@@ -121,6 +122,13 @@ def main() -> None:
                                                            (r + 1) * m.input_size_per_partition])
             m.lora_B.copy_(b_whole[row_blocks(name, b_rows, t)[r]] if column else b_whole)
 
+    # merged into the base weights (what a LoRA stage stores), a plain model computes the same logits
+    with torch.no_grad():
+        merged = {k: v for k, v in adapted.state_dict().items() if not lora.is_adapter(k)}
+        merged.update({f"{n}.weight": lora.merged_weight(m) for n, m in module_of.items()})
+        base.load_state_dict(merged, strict=True)
+        merge_max_diff = float((base(ids, pos, None) - adapted(ids, pos, None)).abs().max())
+
     logits = adapted(ids, pos, None)  # [b, s, V/t]
     loss = token_nll(logits, labels, V, r).sum()
     loss.backward()
@@ -132,7 +140,7 @@ def main() -> None:
     base_grads = [n for n, p in adapted.named_parameters() if p.grad is not None and not lora.is_adapter(n)]
     if dist.rank == 0:
         (Path(cfg["run_dir"]) / "result.json").write_text(json.dumps({
-            "step0_max_diff": step0, "init_A": init_a, "logits": full_logits[..., :V].tolist(),
+            "step0_max_diff": step0, "merge_max_diff": merge_max_diff, "init_A": init_a, "logits": full_logits[..., :V].tolist(),
             "loss": float(loss), "grads": grads, "base_grads": base_grads, "trainable": trainable}))
     shutdown()
 

@@ -1,6 +1,7 @@
 """LoRA adapters on Megatron's column/row-parallel linears (model/lora.py), real Megatron-core GPTs on gloo: fresh
 adapters leave the base model's logits unchanged; only adapters get gradients; TP=2 (with and without sequence
-parallelism) gives the same logits, loss and adapter gradients as TP=1 and starts from the same adapters."""
+parallelism) gives the same logits, loss and adapter gradients as TP=1 and starts from the same adapters; the adapters
+merged into the base weights give a plain model with the same logits."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def results(tmp_path_factory):
 def test_fresh_adapters_leave_the_base_model_unchanged_and_only_adapters_train(results):
     for key, r in results.items():
         assert r["step0_max_diff"] == 0.0, key  # B = 0: base + 0, exactly
+        assert r["merge_max_diff"] < 1e-5, key  # merged into W, a plain model computes the same
         assert r["base_grads"] == [], key  # every base weight frozen
         assert len(r["grads"]) == 2 * 4 * 2  # A and B of 4 linears in 2 layers
         assert all(np.abs(np.asarray(g)).max() > 0 for g in r["grads"].values()), key

@@ -196,7 +196,10 @@ def test_run_log_reports_peak_memory_per_phase(tmp_path, monkeypatch, capsys):
     import json
 
     from align_pipeline.model import memory
+    from align_pipeline.train.core import progress
     from align_pipeline.train.core.progress import RunLog
+
+    monkeypatch.setattr(progress, "shutdown", lambda: None)  # other tests' process group stays
 
     class Logger:
         def __init__(self):

@@ -31,7 +31,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from align_pipeline.data.formats import CHECKPOINT_META as META_FILE
 from align_pipeline.data.formats import checkpoint_meta as read_meta
 from align_pipeline.data.formats import is_checkpoint
-from align_pipeline.model import memory
+from align_pipeline.model import lora, memory
 
 FORMAT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
@@ -113,11 +113,18 @@ def _save(state: dict[str, Any], directory: Path) -> None:
 
 
 def save_model(path: str | os.PathLike, model, meta: dict[str, Any]) -> Path:
-    """Save model weights (sharded, any parallel layout) with ``meta`` as ``meta.json``."""
+    """Save model weights (sharded, any parallel layout) with ``meta`` as ``meta.json``. A model with LoRA adapters
+    is saved merged (``W + (alpha / r) B A``, no adapter entries; meta ``lora`` says so): the model every later stage,
+    evaluation and the HF export read."""
+    inner = _unwrap(model)
+    adapters = lora.describe(inner)
     meta = {"format": FORMAT_VERSION, "kind": "model", **meta}
+    if adapters:
+        meta["lora"] = {**adapters, "merged": True}
 
     def write(tmp: Path) -> None:
-        _save(_unwrap(model).sharded_state_dict(), tmp)
+        sharded = inner.sharded_state_dict()
+        _save(lora.merge_into_sharded_state_dict(inner, sharded) if adapters else sharded, tmp)
 
     return _atomic_dir_write(Path(path), write, meta)
 
@@ -133,13 +140,19 @@ def load_model(path: str | os.PathLike, model) -> dict[str, Any]:
     new_head = getattr(inner, "head", "lm") == "value" and meta.get("head", "lm") == "lm"
     if new_head:  # an LM checkpoint into a value model: everything but the (new, randomly initialised) value head
         sharded = {k: v for k, v in sharded.items() if not k.startswith("output_layer.")}
+    # a checkpoint without adapters (a base model, or a merged LoRA export) into a model with fresh adapters
+    fresh_adapters = not (meta.get("lora") and not meta["lora"].get("merged"))
+    if fresh_adapters:
+        sharded = {k: v for k, v in sharded.items() if not lora.is_adapter(k)}
     if meta.get("kind") == "training":
         state = dist_checkpointing.load({"model": sharded}, str(path))["model"]
     else:
         state = dist_checkpointing.load(sharded, str(path))
-    missing, unexpected = inner.load_state_dict(state, strict=not new_head)
-    if new_head and (unexpected or any(not k.startswith("output_layer.") for k in missing)):
-        raise RuntimeError(f"{path}: loading into a value model left {missing} missing, {unexpected} unexpected")
+    missing, unexpected = inner.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not ((new_head and k.startswith("output_layer."))
+                                          or (fresh_adapters and lora.is_adapter(k)))]
+    if missing or unexpected:
+        raise RuntimeError(f"{path}: loading left {missing} missing, {unexpected} unexpected")
     return meta
 
 
@@ -181,6 +194,9 @@ def save_training(
     rank = tdist.get_rank() if tdist.is_initialized() else 0
     world = tdist.get_world_size() if tdist.is_initialized() else 1
     meta = {"format": FORMAT_VERSION, "kind": "training", "step": step, "world_size": world, **meta}
+    adapters = lora.describe(inner)
+    if adapters:
+        meta["lora"] = {**adapters, "merged": False}  # the adapters beside the frozen base: resumed as they are
 
     _init_unstepped_optimizer_states(optimizer)
 

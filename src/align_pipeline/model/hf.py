@@ -417,6 +417,8 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
         source = None
         if value_head and name.startswith("output_layer."):
             continue  # a new value head (reward model / critic from a causal LM) keeps its initialisation
+        if name.endswith(("lora_A", "lora_B")):
+            continue  # fresh LoRA adapters keep theirs (model/lora.py)
         if name == "embedding.word_embeddings.weight":
             source = (lambda p=param: vocab_rows("embed_tokens.weight", p.shape[0]))
         elif name == "decoder.final_layernorm.weight":

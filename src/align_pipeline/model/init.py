@@ -60,13 +60,15 @@ def resolve(init_from: str | None, model: ModelConfig, tokenizer_vocab_size: int
     raise FileNotFoundError(f"init_from={init_from!r} is neither a checkpoint (meta.json) nor an HF model dir")
 
 
-def build_model(source: ModelSource, parallel, dist, head: str = "lm", num_outputs: int = 1):
+def build_model(source: ModelSource, parallel, dist, head: str = "lm", num_outputs: int = 1, lora=None):
     """Build this rank's stage of the model described by ``source`` and fill it with the source weights.
 
     ``head``: the head the caller wants. An LM source can become a value model (the transformer is loaded, the new
     value head starts at random: reward model from SFT, critic from the reward model's value head keeps its head).
     A value model is built with untied embeddings whatever the source: it has no LM head to tie (and with PP > 1 a
-    tied last stage would hold an embedding copy that Megatron keeps in step with the first stage's).
+    tied last stage would hold an embedding copy that Megatron keeps in step with the first stage's). ``lora``
+    (a :class:`~align_pipeline.config.LoRAConfig` with rank > 0): with adapters (fresh unless the source is a LoRA
+    training checkpoint).
     """
     from align_pipeline.model.gpt import build_gpt
     from align_pipeline.model.heads import attach_value_head
@@ -78,7 +80,7 @@ def build_model(source: ModelSource, parallel, dist, head: str = "lm", num_outpu
     if head == "value":
         model = dataclasses.replace(model, share_embeddings_and_output_weights=False)
     gpt = build_gpt(model, parallel, source.vocab_size, dist.pgs,
-                    pre_process=dist.is_first_stage, post_process=dist.is_last_stage)
+                    pre_process=dist.is_first_stage, post_process=dist.is_last_stage, lora=lora)
     if head == "value":
         attach_value_head(gpt, source.num_outputs if source_head == "value" else num_outputs)
     if source.load is not None:

@@ -154,10 +154,51 @@ def is_adapter(name: str) -> bool:
     return name.endswith(("lora_A", "lora_B"))
 
 
-def freeze_base(model: torch.nn.Module) -> int:
-    """Only adapter parameters train; returns how many parameters do."""
+def freeze_base(model: torch.nn.Module, keep: tuple[str, ...] = ()) -> int:
+    """Only adapter parameters (and those whose names start with one of ``keep``, e.g. a new value head) train;
+    returns how many parameters do."""
     trainable = 0
     for name, param in model.named_parameters():
-        param.requires_grad_(is_adapter(name))
-        trainable += param.numel() if is_adapter(name) else 0
+        train = is_adapter(name) or name.startswith(keep)
+        param.requires_grad_(train)
+        trainable += param.numel() if train else 0
     return trainable
+
+
+def adapted_linears(model: torch.nn.Module) -> dict[str, _Adapter]:
+    """The adapted linears of a model, by module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, _Adapter)}
+
+
+def describe(model: torch.nn.Module) -> dict | None:
+    """The adapters of a model as checkpoint meta (None without adapters): rank, alpha, dropout, target modules."""
+    linears = adapted_linears(model)
+    if not linears:
+        return None
+    first = next(iter(linears.values()))
+    targets = sorted({name.rsplit(".", 1)[-1] for name in linears})
+    return {"rank": first.lora_rank, "alpha": first.lora_scaling * first.lora_rank, "dropout": first.lora_dropout,
+            "target_modules": targets}
+
+
+def merged_weight(m: _Adapter) -> torch.Tensor:
+    """This rank's shard of ``W + (alpha / r) B A`` (a new tensor; the layer is unchanged)."""
+    with torch.no_grad():
+        delta = (m.lora_B.float() @ m.lora_A.float()) * m.lora_scaling  # column: [out/t, in]; row: [out, in/t]
+        return (m.weight.float() + delta).to(m.weight.dtype)
+
+
+def merge_into_sharded_state_dict(model: torch.nn.Module, sharded: dict) -> dict:
+    """A model's sharded state dict with every adapted linear's weight replaced by its merged weight and the adapter
+    entries left out: what a plain (adapter-less) model of the same architecture loads."""
+    import dataclasses as dc
+
+    merged = {f"{name}.weight": merged_weight(m) for name, m in adapted_linears(model).items()}
+    out = {}
+    for key, value in sharded.items():
+        if is_adapter(key):
+            continue
+        if key in merged:
+            value = dc.replace(value, data=merged[key])
+        out[key] = value
+    return out

@@ -81,7 +81,7 @@ def main(job: DPOJob) -> dict:
     source = init.resolve(paths.init_from, job.model, tok.vocab_size)
     check_job("dpo", job.dpo, job.parallel, dist.world_size, source.model, paths.init_from, source.parent["kind"])
     log(dist, f"[dpo] {dist.describe()} init={source.parent['kind']}:{paths.init_from} loss={lc.name}")
-    policy = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist)
+    policy = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist, lora=job.dpo.lora)
     ref = np.load(paths.reference_logps) if paths.reference_logps else None
     train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist,
                                     extra=lambda arrays, split: with_reference(arrays, ref, split),

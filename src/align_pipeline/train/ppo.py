@@ -133,7 +133,7 @@ def main(job: PPOJob) -> dict:
     total_steps = rl.iterations * rl.steps_per_iteration
     warmup = cfg.critic_warmup_iterations  # the actor waits while the critic learns this reward's returns
     actor = build_trainable(source, job.parallel, cfg.optimizer, (rl.iterations - warmup) * rl.steps_per_iteration,
-                            dist)
+                            dist, lora=cfg.lora)
     reward_fns = RewardFunctions.load(cfg.reward, "ppo.reward")
     reference, rm, rm_forward = rollout.load_judges(paths, cfg.reward, job.model.attention_backend, job.parallel, dist,
                                                     "ppo.reward")

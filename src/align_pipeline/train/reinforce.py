@@ -74,7 +74,7 @@ def main(job: ReinforceJob) -> dict:
     check_job("reinforce", cfg, job.parallel, dist.world_size, source.model, paths.policy, source.parent["kind"])
     log(dist, f"[reinforce] {dist.describe()} policy={paths.policy} reward_model={paths.reward_model}")
     total_steps = rl.iterations * rl.steps_per_iteration
-    actor = build_trainable(source, job.parallel, cfg.optimizer, total_steps, dist)
+    actor = build_trainable(source, job.parallel, cfg.optimizer, total_steps, dist, lora=cfg.lora)
     reward_fns = RewardFunctions.load(cfg.reward, "reinforce.reward")
     reference, rm, rm_forward = rollout.load_judges(paths, cfg.reward, job.model.attention_backend, job.parallel, dist,
                                                     "reinforce.reward")

@@ -92,7 +92,7 @@ def main(job: RewardModelJob) -> dict:
     else:
         num_outputs, loss, metric_names = 1, bradley_terry(section), PAIR_METRICS
     model = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist, head="value",
-                            num_outputs=num_outputs)
+                            num_outputs=num_outputs, lora=section.lora)
     train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist, packing=section.packing)
     seq_length = source.model.seq_length
     ckpts = Checkpoints.for_training({"model": (model, paths.run_dir)}, cfg, job, "reward_model", dist)

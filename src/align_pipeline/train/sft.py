@@ -57,7 +57,7 @@ def main(job: SFTJob) -> dict:
     source = init.resolve(paths.init_from, job.model, tok.vocab_size)
     check_job("sft", job.sft, job.parallel, dist.world_size, source.model, paths.init_from, source.parent["kind"])
     log(dist, f"[sft] {dist.describe()} init={source.parent['kind']}:{paths.init_from}")
-    policy = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist)
+    policy = build_trainable(source, job.parallel, cfg.optimizer, cfg.train_steps, dist, lora=job.sft.lora)
     train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist, packing=job.sft.packing)
     loss = sft_loss(source.vocab_size, dist.tp_rank, job.parallel.logits_chunk_tokens)
     seq_length = source.model.seq_length

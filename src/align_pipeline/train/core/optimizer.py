@@ -12,11 +12,12 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from align_pipeline.config import OptimizerConfig, ParallelConfig
+from align_pipeline.config import LoRAConfig, OptimizerConfig, ParallelConfig
 from align_pipeline.model import memory
 from align_pipeline.model.init import ModelSource, build_model
 from align_pipeline.train.core import profiling
 from align_pipeline.train.core.distributed import Dist
+from align_pipeline.train.core.progress import log
 from align_pipeline.train.core.schedule import ForwardLoss, run_microbatches
 
 
@@ -39,10 +40,18 @@ class Trainable:
 
 
 def build_trainable(source: ModelSource, parallel: ParallelConfig, opt: OptimizerConfig, total_steps: int,
-                    dist: Dist, head: str = "lm", num_outputs: int = 1) -> Trainable:
+                    dist: Dist, head: str = "lm", num_outputs: int = 1, lora: LoRAConfig | None = None) -> Trainable:
     """The model of ``source`` (weights loaded into the bare model first, so fp32 main weights copy them), wrapped in
-    Megatron DDP, with AdamW and a schedule over ``total_steps`` optimizer steps."""
-    gpt = build_model(source, parallel, dist, head=head, num_outputs=num_outputs)
+    Megatron DDP, with AdamW and a schedule over ``total_steps`` optimizer steps. ``lora`` (rank > 0): adapters on
+    its linears and only they train (with a value head: the head too); DDP and the optimizer hold only those."""
+    gpt = build_model(source, parallel, dist, head=head, num_outputs=num_outputs, lora=lora)
+    if lora is not None and lora.rank:
+        from align_pipeline.model.lora import freeze_base
+
+        trainable = freeze_base(gpt, keep=("output_layer.",) if head == "value" else ())
+        total = sum(p.numel() for p in gpt.parameters())
+        log(dist, f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {trainable:,} of {total:,} "
+                  "parameters train on this rank")
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
