@@ -59,7 +59,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from sft_scaling import PRESETS, make_hf_init, run_header, versions
+from sft_scaling import PRESETS, header_lines, make_hf_init, run_header, versions
 
 BETA = 0.1
 ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.01, "clip_grad": 1.0}
@@ -408,9 +408,7 @@ def markdown(report: dict[str, Any]) -> str:
     trl = rows[1]
     gpu = report["precision"] == "bf16"
     lines = [
-        f"Command: `{report['command']}`  ",
-        (f"Date: {report['date']}; device: {report['device']}; "
-         + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + "  "),
+        *header_lines(report),
         (f"Model: preset `{report['preset']}` (Llama shape, random init), {report['parameters'] / 1e6:.1f}M parameters, "
          f"{report['precision']}; {report['pairs']} synthetic pairs, every sequence {s['seq']} tokens (prompt "
          f"{s['prompt_len']} + response {s['seq'] - s['prompt_len']}, no padding); micro-batch {s['micro_batch']} pairs, "

@@ -32,7 +32,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from sft_scaling import PRESETS, make_hf_init, run_header
+from sft_scaling import PRESETS, header_lines, make_hf_init, run_header
 
 PRESETS = {**PRESETS, "1b_4k": {**PRESETS["1b"], "seq_length": 4096}, "tiny_256": {**PRESETS["tiny"], "seq_length": 256}}
 
@@ -146,9 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     s, L = report["settings"], report["lengths"]
     lines = [
-        f"Command: `{report['command']}`  ",
-        f"Date: {report['date']}; device: {report['device']}; "
-        + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + "  ",
+        *header_lines(report),
         (f"Model: preset `{report['preset']}`, {report['parameters'] / 1e6:.1f}M parameters, seq "
          f"{PRESETS[report['preset']]['seq_length']}, {report['precision']}, SDPA attention (no Transformer Engine), "
          f"global batch {s['global_batch']} rows, micro-batch {s['micro_batch']} rows, {s['steps']} steps (timed: "

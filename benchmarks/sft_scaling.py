@@ -165,11 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from align_pipeline.config import LaunchConfig, to_dict
     from align_pipeline.launch import run_torchrun
 
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    out = Path(args.out).resolve()
-    on_gpu = torch.cuda.is_available()
-    bf16 = on_gpu and not args.fp32
-    preset = PRESETS[args.preset]
+    out, on_gpu, bf16, preset = bench_setup(args)
     layouts = [Layout.parse(x) for x in args.layouts.split(",")]
     if str(layouts[0]) != "1x1x1":
         layouts.insert(0, Layout(1, 1, 1))  # the reference every other layout is compared with
@@ -177,9 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"layouts need {max(lay.gpus for lay in layouts)} GPUs, this machine has "
                          f"{torch.cuda.device_count()}")
     biggest = max(lay.gpus for lay in layouts) if "weak" in args.modes else 1
-    data = make_copy_data(out / "data", preset["vocab_size"], preset["seq_length"],
-                          n=min(args.global_batch * biggest * args.steps, 4096), seed=args.seed)
-    hf_dir, params = make_hf_init(out / "hf_init", preset, args.seed)
+    data, hf_dir, params = copy_task_and_init(out, preset, args, rows=args.global_batch * biggest * args.steps)
     print(f"[scaling] preset {args.preset}: {params / 1e6:.1f}M parameters, seq {preset['seq_length']}, "
           f"{'bf16 NCCL' if bf16 else 'fp32'} on {'GPU' if on_gpu else 'CPU'}", flush=True)
 
@@ -232,6 +226,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def bench_setup(args: argparse.Namespace) -> tuple[Path, bool, bool, dict[str, int]]:
+    """(output dir, on a GPU, bf16, the preset's shape); torchrun jobs can import benchmarks/ (the val-loss worker)."""
+    import torch
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    on_gpu = torch.cuda.is_available()
+    return Path(args.out).resolve(), on_gpu, on_gpu and not args.fp32, PRESETS[args.preset]
+
+
+def copy_task_and_init(out: Path, preset: dict[str, int], args: argparse.Namespace, rows: int
+                       ) -> tuple[dict[str, str], str, int]:
+    """The copy-task data (``rows`` training rows, at most 4096) and the seeded random HF init every run starts from:
+    (data paths, HF dir, parameter count)."""
+    data = make_copy_data(out / "data", preset["vocab_size"], preset["seq_length"], n=min(rows, 4096), seed=args.seed)
+    hf_dir, params = make_hf_init(out / "hf_init", preset, args.seed)
+    return data, hf_dir, params
+
+
 def run_header(extra_versions: dict[str, str] | None = None) -> dict[str, Any]:
     """What every benchmark report starts with: the command as typed, the UTC date, the device, library versions."""
     return {"command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
@@ -256,12 +268,17 @@ def versions() -> dict[str, str]:
             "cuda": str(torch.version.cuda), "python": sys.version.split()[0]}
 
 
+def header_lines(report: dict[str, Any]) -> list[str]:
+    """The Markdown lines of :func:`run_header`'s fields: command, then date, device and versions."""
+    return [f"Command: `{report['command']}`  ",
+            f"Date: {report['date']}; device: {report['device']}; "
+            + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + "  "]
+
+
 def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = [
-        f"Command: `{report['command']}`  ",
-        f"Date: {report['date']}; device: {report['device']}; "
-        + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + "  ",
+        *header_lines(report),
         (f"Model: preset `{report['preset']}`, {report['parameters'] / 1e6:.1f}M parameters, "
         f"seq {PRESETS[report['preset']]['seq_length']}, {report['precision']}, micro-batch {s['micro_batch']}, "
         f"{s['steps']} steps (tokens/s over steps {s['warmup'] + 1}-{s['steps']})"),

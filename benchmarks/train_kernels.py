@@ -43,8 +43,9 @@ sys.path.insert(0, str(HERE))
 from sft_scaling import (  # benchmarks/ is on the path (above)
     PRESETS,
     Layout,
-    make_copy_data,
-    make_hf_init,
+    bench_setup,
+    copy_task_and_init,
+    header_lines,
     run_header,
     sft_job,
     steady_tokens_per_s,
@@ -302,16 +303,8 @@ def micro_benchmarks(preset: dict[str, int], micro_batch: int, repeats: int = 20
 
 # --------------------------------------------------------------------------------------------------------------- report
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    out = Path(args.out).resolve()
-    on_gpu = torch.cuda.is_available()
-    bf16 = on_gpu and not args.fp32
-    preset = PRESETS[args.preset]
-    data = make_copy_data(out / "data", preset["vocab_size"], preset["seq_length"],
-                          n=min(args.global_batch * args.steps, 4096), seed=args.seed)
-    hf_dir, params = make_hf_init(out / "hf_init", preset, args.seed)
+    out, on_gpu, bf16, preset = bench_setup(args)
+    data, hf_dir, params = copy_task_and_init(out, preset, args, rows=args.global_batch * args.steps)
     fpt = flops_per_token(preset, params)
     print(f"[kernels] preset {args.preset}: {params / 1e6:.1f}M parameters, {fpt / 1e9:.2f} GFLOP per token", flush=True)
 
@@ -346,9 +339,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = [
-        f"Command: `{report['command']}`  ",
-        f"Date: {report['date']}; device: {report['device']}; "
-        + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + "  ",
+        *header_lines(report),
         (f"Model: preset `{report['preset']}`, {report['parameters'] / 1e6:.1f}M parameters, seq "
          f"{PRESETS[report['preset']]['seq_length']}, global batch {s['global_batch']}, {s['steps']} steps "
          f"(tokens/s over steps {s['warmup'] + 1}-{s['steps']}); MFU = {report['flops_per_token'] / 1e9:.2f} GFLOP "
