@@ -274,3 +274,25 @@ def test_hf_model_through_data_prep_sft_dpo_then_export(project):
     assert registered.name == "dpo_policy_hf" and Path(registered.source) == out.resolve()
     assert registered.tags["lineage.out.dpo_policy_hf"] == version.name
 
+
+
+def test_lora_stages_on_an_hf_model_store_merged_models_that_transformers_loads(project):
+    """SFT and DPO with adapters (`sft.lora`, `dpo.lora`) from a tiny HF model: the stored policies are the merged
+    models (meta.json says so), and `--pipelines export` with `export.check` writes them as HF directories whose
+    transformers logits equal the checkpoints' (fp32, 1e-4): the merged weights are what transformers runs."""
+    hf_dir = project / "hf_base"
+    _llama32_style_hf_dir(hf_dir)
+    lora = {"rank": 4, "alpha": 8.0}
+    params = {**FAST, "model": {**FAST["model"], "seq_length": 64},
+              "data_prep": {"tokenizer": {"hf_model_dir": str(hf_dir)}}, "export": {"check": True},
+              "sft": {**FAST["sft"], "init_from": str(hf_dir), "lora": lora}, "dpo": {**TINY_STAGE, "lora": lora}}
+    (project / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(params))
+    _run(project, "data_prep", "sft", "dpo")
+    for stage in ("sft", "dpo"):
+        (version,) = (project / "data" / "06_models" / f"{stage}_policy").iterdir()
+        meta = json.loads((version / f"{stage}_policy" / "meta.json").read_text())
+        assert meta["lora"]["merged"] is True and meta["lora"]["rank"] == 4, stage
+    outputs = _run(project, "export")
+    for stage in ("sft", "dpo"):
+        summary = outputs[f"{stage}_policy_export_metrics"].load()
+        assert summary["max_abs_logit_diff"] <= 1e-4, (stage, summary)
