@@ -32,6 +32,7 @@ from align_pipeline.data.formats import CHECKPOINT_META as META_FILE
 from align_pipeline.data.formats import checkpoint_meta as read_meta
 from align_pipeline.data.formats import is_checkpoint
 from align_pipeline.model import lora, memory
+from align_pipeline.model.gpt import unwrap
 
 FORMAT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
@@ -65,10 +66,6 @@ def reward_pooling(path: str | os.PathLike) -> str:
     if meta.get("head") != "value" or "reward_head" not in meta:
         raise ValueError(f"{path} is not a reward model (meta.json has no value head / reward_head.pooling)")
     return meta["reward_head"]["pooling"]
-
-
-def _unwrap(model):
-    return model.module if hasattr(model, "module") else model
 
 
 def _atomic_dir_write(final: Path, write_fn, meta: dict[str, Any]) -> Path:
@@ -116,7 +113,7 @@ def save_model(path: str | os.PathLike, model, meta: dict[str, Any]) -> Path:
     """Save model weights (sharded, any parallel layout) with ``meta`` as ``meta.json``. A model with LoRA adapters
     is saved merged (``W + (alpha / r) B A``, no adapter entries; meta ``lora`` says so): the model every later stage,
     evaluation and the HF export read."""
-    inner = _unwrap(model)
+    inner = unwrap(model)
     adapters = lora.describe(inner)
     meta = {"format": FORMAT_VERSION, "kind": "model", **meta}
     if adapters:
@@ -135,13 +132,14 @@ def load_model(path: str | os.PathLike, model) -> dict[str, Any]:
     Returns the checkpoint's meta.
     """
     meta = read_meta(path)
-    inner = _unwrap(model)
+    inner = unwrap(model)
     sharded = inner.sharded_state_dict()
     new_head = getattr(inner, "head", "lm") == "value" and meta.get("head", "lm") == "lm"
     if new_head:  # an LM checkpoint into a value model: everything but the (new, randomly initialised) value head
         sharded = {k: v for k, v in sharded.items() if not k.startswith("output_layer.")}
-    # a checkpoint without adapters (a base model, or a merged LoRA export) into a model with fresh adapters
-    fresh_adapters = not (meta.get("lora") and not meta["lora"].get("merged"))
+    # only a LoRA training checkpoint holds adapters; anything else (a base model, a merged LoRA export) leaves a
+    # model with adapters its fresh ones
+    fresh_adapters = not meta.get("lora") or meta["lora"]["merged"]
     if fresh_adapters:
         sharded = {k: v for k, v in sharded.items() if not lora.is_adapter(k)}
     if meta.get("kind") == "training":
@@ -190,7 +188,7 @@ def save_training(
     meta: dict[str, Any],
 ) -> Path:
     """Save a resumable training checkpoint ``run_dir/checkpoints/iter_<step>``."""
-    inner = _unwrap(model)
+    inner = unwrap(model)
     rank = tdist.get_rank() if tdist.is_initialized() else 0
     world = tdist.get_world_size() if tdist.is_initialized() else 1
     meta = {"format": FORMAT_VERSION, "kind": "training", "step": step, "world_size": world, **meta}
@@ -219,7 +217,7 @@ def load_training(path: str | os.PathLike, model, optimizer, scheduler) -> dict[
     """Restore model, optimizer, scheduler and this rank's RNG from a training checkpoint; returns ``train_state``."""
     path = Path(path)
     meta = read_meta(path)
-    inner = _unwrap(model)
+    inner = unwrap(model)
     _init_empty_optimizer_states(optimizer)
     model_sd = inner.sharded_state_dict()
     sharded = {

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
 
+from align_pipeline.model.gpt import unwrap
+
 # With graphs, decode-step widths are the engine's batch and the powers of two below it down to _MIN_WIDTH (a step of
 # fewer rows costs about as much: not worth a capture of its own).
 _MIN_WIDTH = 8
@@ -311,8 +313,7 @@ def decode_engine(gpt, batch: int, length: int) -> DecodeEngine:
 
 def release_decode_engine(model) -> None:
     """Free the KV cache and graphs kept on ``model`` (or the GPT inside a wrapper)."""
-    while hasattr(model, "module"):
-        model = model.module
+    model = unwrap(model)
     if getattr(model, "_align_decode_engine", None) is not None:
         object.__setattr__(model, "_align_decode_engine", None)
         if torch.cuda.is_available():

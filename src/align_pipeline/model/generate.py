@@ -42,6 +42,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from align_pipeline.model.attention import SDPAttention
 from align_pipeline.model.decode import decode_engine
+from align_pipeline.model.gpt import unwrap
 
 
 @dataclass
@@ -112,9 +113,7 @@ def generate(
         raise ValueError("need at least one prompt, and every prompt needs at least one token (e.g. BOS)")
     if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
         raise ValueError(f"invalid sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}")
-    gpt = model
-    while hasattr(gpt, "module"):  # Megatron DDP / Float16Module -> GPTModel
-        gpt = gpt.module
+    gpt = unwrap(model)  # Megatron DDP / Float16Module -> GPTModel
     if gpt.config.pipeline_model_parallel_size > 1:
         raise NotImplementedError("generate() supports pipeline_model_parallel_size == 1 only")
     if not (gpt.pre_process and gpt.post_process):
@@ -179,9 +178,7 @@ def prepare_generation(model, *, batch: int, length: int, prompt_len: int, vocab
     warm one. Returns ``{"capture_s": ..., "setup_s": ...}`` (seconds: graph captures, everything)."""
     import time
 
-    gpt = model
-    while hasattr(gpt, "module"):
-        gpt = gpt.module
+    gpt = unwrap(model)
     t0 = time.perf_counter()
     engine = decode_engine(gpt, batch, length)
     captured = engine.capture_seconds

@@ -29,6 +29,13 @@ from align_pipeline.model.attention import SDPAttention
 from align_pipeline.model.norm import FusedTorchNorm, TorchNorm
 
 
+def unwrap(model):
+    """The GPTModel inside Megatron's wrappers (DDP, Float16Module); a bare GPT as it is."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def have_transformer_engine() -> bool:
     """Transformer Engine's torch bindings are importable (GPU containers only)."""
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:

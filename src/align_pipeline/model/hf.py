@@ -273,12 +273,6 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def _tp_rank_size(gpt) -> tuple[int, int]:
     """This rank's place in the model's tensor-parallel group (the process groups it was built with)."""
     pgs = getattr(gpt, "pg_collection", None)
@@ -331,7 +325,10 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
     Returns:
         {"loaded": number of parameters filled, "hf_tensors_read": number of HF tensors read on this rank}.
     """
-    gpt = _unwrap(module)
+    from align_pipeline.model import lora
+    from align_pipeline.model.gpt import unwrap
+
+    gpt = unwrap(module)
     config = gpt.config
     value_head = getattr(gpt, "head", "lm") == "value"
     tied = bool(getattr(gpt, "share_embeddings_and_output_weights", False))
@@ -417,8 +414,8 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
         source = None
         if value_head and name.startswith("output_layer."):
             continue  # a new value head (reward model / critic from a causal LM) keeps its initialisation
-        if name.endswith(("lora_A", "lora_B")):
-            continue  # fresh LoRA adapters keep theirs (model/lora.py)
+        if lora.is_adapter(name):
+            continue  # fresh LoRA adapters keep theirs
         if name == "embedding.word_embeddings.weight":
             source = (lambda p=param: vocab_rows("embed_tokens.weight", p.shape[0]))
         elif name == "decoder.final_layernorm.weight":

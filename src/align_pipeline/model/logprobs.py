@@ -85,6 +85,20 @@ class _SumGradOverGroup(torch.autograd.Function):
         return grad, None
 
 
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, cut: int) -> torch.Tensor:
+    """fp32 logits [c, V/tp] of hidden rows ``h`` [c, h]; the shard's padded columns (from ``cut`` on) -inf."""
+    z = (h @ weight.t()).float()
+    if cut < weight.shape[0]:
+        z[:, cut:] = float("-inf")
+    return z
+
+
+def _label_columns(labels: torch.Tensor, first: int, cut: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each label's column in this shard, whether this shard holds it) for labels [c]."""
+    local = labels - first
+    return local, (local >= 0) & (local < cut)
+
+
 class _ChunkedLinearNLL(torch.autograd.Function):
     """-log p(label) from hidden states and this rank's vocab shard of the output weight, ``chunk`` tokens at a time:
     a chunk's logits [chunk, V/tp] exist only while its row of the loss (forward) or of the gradients (backward,
@@ -101,11 +115,8 @@ class _ChunkedLinearNLL(torch.autograd.Function):
         nll = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(nll)
         for start in range(0, hidden.shape[0], chunk):
-            z = (hidden[start:start + chunk] @ weight.t()).float()  # [c, V/tp]
-            if cut < shard:
-                z[:, cut:] = float("-inf")
-            local = labels[start:start + chunk] - first
-            owned = (local >= 0) & (local < cut)
+            z = _chunk_logits(hidden[start:start + chunk], weight, cut)  # [c, V/tp]
+            local, owned = _label_columns(labels[start:start + chunk], first, cut)
             target = torch.where(owned, z.gather(1, local.clamp(0, shard - 1).unsqueeze(1)).squeeze(1), 0.0)
             m = z.amax(-1)
             if reduce:
@@ -123,17 +134,13 @@ class _ChunkedLinearNLL(torch.autograd.Function):
     def backward(ctx, grad_nll):
         hidden, weight, labels, lse = ctx.saved_tensors
         chunk, first, cut = ctx.chunk, ctx.first, ctx.cut
-        shard = weight.shape[0]
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]
-            z = (h @ weight.t()).float()
-            p = torch.exp(z - lse[start:start + chunk].unsqueeze(1))  # softmax over the whole vocabulary
-            if cut < shard:
-                p[:, cut:] = 0.0
-            local = labels[start:start + chunk] - first
-            owned = (local >= 0) & (local < cut)
+            # softmax over the whole vocabulary (exp(-inf - lse) = 0 in the padded columns)
+            p = torch.exp(_chunk_logits(h, weight, cut) - lse[start:start + chunk].unsqueeze(1))
+            local, owned = _label_columns(labels[start:start + chunk], first, cut)
             rows = torch.nonzero(owned).squeeze(1)
             p[rows, local[rows]] -= 1.0  # d nll / d z = softmax - onehot(label)
             g = (p * grad_nll[start:start + chunk].unsqueeze(1)).to(hidden.dtype)  # [c, V/tp]

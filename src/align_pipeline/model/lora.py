@@ -54,7 +54,8 @@ class _Adapter:
     def _adapter_init(self, rank: int, alpha: float, dropout: float) -> None:
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-        self.lora_rank, self.lora_scaling, self.lora_dropout = rank, alpha / rank, dropout
+        self.lora_rank, self.lora_alpha, self.lora_dropout = rank, alpha, dropout
+        self.lora_scaling = alpha / rank
 
     def _place(self, tensor: torch.Tensor) -> torch.nn.Parameter:
         device = self.weight.device
@@ -177,7 +178,7 @@ def describe(model: torch.nn.Module) -> dict | None:
         return None
     first = next(iter(linears.values()))
     targets = sorted({name.rsplit(".", 1)[-1] for name in linears})
-    return {"rank": first.lora_rank, "alpha": first.lora_scaling * first.lora_rank, "dropout": first.lora_dropout,
+    return {"rank": first.lora_rank, "alpha": first.lora_alpha, "dropout": first.lora_dropout,
             "target_modules": targets}
 
 
@@ -191,14 +192,12 @@ def merged_weight(m: _Adapter) -> torch.Tensor:
 def merge_into_sharded_state_dict(model: torch.nn.Module, sharded: dict) -> dict:
     """A model's sharded state dict with every adapted linear's weight replaced by its merged weight and the adapter
     entries left out: what a plain (adapter-less) model of the same architecture loads."""
-    import dataclasses as dc
-
     merged = {f"{name}.weight": merged_weight(m) for name, m in adapted_linears(model).items()}
     out = {}
     for key, value in sharded.items():
         if is_adapter(key):
             continue
         if key in merged:
-            value = dc.replace(value, data=merged[key])
+            value = dataclasses.replace(value, data=merged[key])
         out[key] = value
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from align_pipeline.model.gpt import unwrap
 from align_pipeline.model.logprobs import chunked_token_nll, token_nll
 
 
@@ -36,19 +37,12 @@ def run(module, input_ids: torch.Tensor, batch: dict[str, torch.Tensor] | None =
     return module(input_ids, position_ids(input_ids), None)
 
 
-def gpt_of(module):
-    """The GPTModel inside Megatron's wrappers (DDP, Float16Module)."""
-    while not hasattr(module, "decoder") and hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def run_lm_hidden(module, input_ids: torch.Tensor, batch: dict[str, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """:func:`run` with the LM head left out on the last stage: (final hidden states [b, s, h] ([b, s/tp, h] with
     sequence parallelism), this rank's output weight [V/tp, h], whether the hidden states are sequence shards), for
     :func:`~align_pipeline.model.logprobs.chunked_token_nll`. Other pipeline stages: (their output, None, False)."""
-    gpt = gpt_of(module)
+    gpt = unwrap(module)
     head = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
     if head is None:
         return run(module, input_ids, batch), None, False
