@@ -153,7 +153,7 @@ def test_fused_weight_gradient_accumulation_on_a_gpu():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_fused_training_equals_eager_on_a_gpu(tmp_path, precision):
     """The SFT job on a GPU with every fused kernel (fused gradient accumulation included) against the eager path:
-    the same loss curve, to 1e-4 in fp32 and to bf16 tolerance in bf16."""
+    the same loss curve over 30 steps, to 1e-4 in fp32 and to bf16 tolerance in bf16."""
     import json
     import os
     import subprocess
@@ -162,7 +162,7 @@ def test_fused_training_equals_eager_on_a_gpu(tmp_path, precision):
 
     root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, str(root / "benchmarks" / "train_kernels.py"), "--preset", "tiny", "--ours",
-           "eager:none:2", "fused:none:2", "--hf", "--steps", "12", "--warmup", "2", "--global-batch", "8",
+           "eager:none:2", "fused:none:2", "--hf", "--steps", "30", "--warmup", "2", "--global-batch", "8",
            "--out", str(tmp_path), "--loss-tol", "1e-4" if precision == "fp32" else "2e-2"]
     proc = subprocess.run(cmd + (["--fp32"] if precision == "fp32" else []), capture_output=True, text=True,
                           check=False, env={**os.environ, "KEDRO_DISABLE_TELEMETRY": "true"}, timeout=900)
@@ -220,6 +220,57 @@ def test_chunked_lm_loss_equals_whole_logits_for_sft_and_dpo():
                 print(name, "tied" if tied else "untied", float(l0))
         shutdown()
         print("OK")
+        """
+    )
+    assert "OK" in out, out
+
+
+def test_fused_optimizer_step_equals_megatrons_fallback():
+    """torch's fused AdamW and the foreach gradient norm / clipping (the fused path's optimizer step) against
+    Megatron's fallbacks (foreach AdamW, per-tensor norm and scale): the same parameters after three clipped steps
+    of the same gradients, fp32 on CPU."""
+    out = run_py(
+        """
+        import dataclasses
+        import torch
+        from align_pipeline.config import ModelConfig, ParallelConfig, TrainingConfig
+        from align_pipeline.model import kernels
+        from align_pipeline.model.init import resolve
+        from align_pipeline.model.sequences import position_ids
+        from align_pipeline.train.core.distributed import init_distributed, shutdown
+        from align_pipeline.train.core.optimizer import build_trainable, train_step
+        from align_pipeline.losses.sft import masked_token_loss
+        from megatron.core import utils
+        from megatron.core.optimizer import clip_grads
+
+        dist = init_distributed(ParallelConfig(), seed=1)
+        source = resolve(None, ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8), 64)
+        opt = dataclasses.replace(TrainingConfig().optimizer, clip_grad=0.05, lr=1e-2, warmup_steps=0)
+        torch.manual_seed(3)
+        batches = [{"input_ids": (ids := torch.randint(0, 64, (2, 8))), "labels": ids.roll(-1, 1),
+                    "loss_mask": torch.ones(2, 8)} for _ in range(3)]
+        def fl(m, b):
+            out = m(b["input_ids"], position_ids(b["input_ids"]), None, labels=b["labels"])
+            return out, lambda t: masked_token_loss(t, b["loss_mask"])
+        results = []
+        for fused in (False, True):
+            torch.manual_seed(0)
+            t = build_trainable(source, ParallelConfig(), opt, 3, dist)
+            if fused:
+                kernels.install_optimizer_kernels()
+                assert clip_grads.l2_norm_impl is kernels._foreach_l2_norm
+                assert kernels.fuse_adamw(t.optimizer) >= 1
+            else:
+                assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+            norms = [train_step(t, [b], fl, ["lm_loss"], dist, 8)["grad_norm"] for b in batches]
+            results.append((norms, {n: p.detach().clone() for n, p in t.model.named_parameters()}))
+        (n0, p0), (n1, p1) = results
+        assert min(n0) > 0.05  # every step was clipped
+        torch.testing.assert_close(torch.tensor(n1), torch.tensor(n0), rtol=1e-5, atol=0)
+        for name in p0:
+            torch.testing.assert_close(p1[name], p0[name], rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        print("OK", n0)
+        shutdown()
         """
     )
     assert "OK" in out, out

@@ -15,6 +15,9 @@ fuses them, each into one generated kernel per direction, with ``torch.compile``
 * fp32 gradient accumulation (CUDA): the weight-gradient GEMM adds into Megatron's fp32 ``main_grad`` directly
   (``gradient_accumulation_fusion``, Apex's extension replaced by ``addmm`` with ``out_dtype``).
 * The LM loss at tensor parallelism 1: log-softmax and the label gather in one kernel (:func:`token_nll`).
+* The optimizer step: torch's fused AdamW over the fp32 main weights (:func:`fuse_adamw`), and the gradient norm and
+  scaling in foreach kernels without host synchronisations (:func:`install_optimizer_kernels`), where Megatron falls
+  back to a Python loop over the parameters without Apex.
 
 Chosen by ``parallel.kernels`` (auto = fused on CUDA, eager on CPU, where compiling costs more than it saves for the
 tiny test models); Transformer Engine's spec brings its own fused kernels and is left alone. The eager path is
@@ -56,6 +59,7 @@ def config_overrides(fused: bool, swiglu: bool, bias: bool) -> dict:
     if not fused:
         return {}
     install_rope()
+    install_optimizer_kernels()
     return {"apply_rope_fusion": True, "gradient_accumulation_fusion": install_grad_accumulation(),
             # SwiGLU: FusedSwiGLU, built from the MLP spec (Megatron's hook for a spec-given activation module);
             # a GeLU with a bias: Megatron's own fused bias-GeLU
@@ -246,3 +250,51 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> to
     """Fused cross-entropy of whole-vocabulary logits (tensor parallelism 1): one generated kernel reads the bf16
     logits and writes the per-token NLL (no fp32 copy of the logits), and one computes their gradient."""
     return _compiled(_token_nll)(logits, labels, vocab_size)
+
+
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Apex's ``multi_tensor_l2norm`` with torch's foreach kernels: the L2 norm of a list of tensors as a [1] fp32
+    device tensor, with no host synchronisation (Megatron's local fallback copies every tensor's norm to the host)."""
+    norms = torch._foreach_norm(tensor_lists[0])
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Apex's ``multi_tensor_scale`` (dst = src * scale, dtype-converting) in a few foreach kernels instead of one
+    multiply and one copy per tensor."""
+    src, dst = tensor_lists
+    if src is dst or all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def install_optimizer_kernels() -> None:
+    """Replace Megatron's local (no TE/Apex) gradient-norm and tensor-scale fallbacks with :func:`_foreach_l2_norm`
+    and :func:`_foreach_scale`; TE's or Apex's own are left alone."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _foreach_l2_norm
+    for module in (clip_grads, optimizer):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = _foreach_scale
+
+
+def fuse_adamw(megatron_optimizer) -> int:
+    """Switch the torch ``AdamW`` under Megatron's optimizer (its fallback without TE/Apex) to torch's fused
+    implementation: one generated kernel per parameter chunk instead of ~a dozen foreach kernels over the fp32 main
+    weights. Returns the number of param groups switched (0 when the optimizer is not torch's, e.g. TE's)."""
+    switched = 0
+    for chained in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if not isinstance(inner, torch.optim.AdamW | torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            if all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in group["params"]):
+                group["fused"], group["foreach"] = True, False
+                switched += 1
+    return switched

@@ -13,7 +13,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from align_pipeline.config import LoRAConfig, OptimizerConfig, ParallelConfig
-from align_pipeline.model import memory
+from align_pipeline.model import kernels, memory
 from align_pipeline.model.init import ModelSource, build_model
 from align_pipeline.train.core import profiling
 from align_pipeline.train.core.distributed import Dist
@@ -76,6 +76,8 @@ def build_trainable(source: ModelSource, parallel: ParallelConfig, opt: Optimize
         ),
         [model],
     )
+    if kernels.active():
+        kernels.fuse_adamw(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
