@@ -121,6 +121,24 @@ def run_rm(pref: dict[str, str], tokenizer: str, policy: str, run_dir: Path, mod
     return run_torchrun("align_pipeline.train.reward_model", to_dict(job), LaunchConfig(nproc_per_node=nproc), run_dir)
 
 
+def run_dpo(pref: dict[str, str], tokenizer: str, policy: str, run_dir: Path, nproc: int = 1,
+            reference_model: str | None = None, reference_logps: str | None = None, **section: Any) -> dict[str, Any]:
+    """A tiny DPO job on ``pref`` from ``policy`` (``section``: DPOConfig fields, ``lora`` as a dict;
+    ``reference_model`` / ``reference_logps``: the job's paths)."""
+    from align_pipeline.config import DPOConfig, DPOJob, DPOPaths
+
+    training = TrainingConfig(seed=5, train_steps=4, global_batch_size=8, micro_batch_size=4, log_interval=1,
+                              eval_interval=0, eval_samples=16, save_interval=0,
+                              optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1))
+    lora = LoRAConfig(**section.pop("lora", {}))
+    job = DPOJob(dpo=DPOConfig(training=section.pop("training", training), lora=lora, **section), model=TINY_MODEL,
+                 paths=DPOPaths(run_dir=str(run_dir), train_data=pref["train"], val_data=pref["val"],
+                                tokenizer=tokenizer, init_from=policy, reference=reference_model,
+                                reference_logps=reference_logps))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return run_torchrun("align_pipeline.train.dpo", to_dict(job), LaunchConfig(nproc_per_node=nproc), run_dir)
+
+
 def losses(result: dict[str, Any]) -> list[float]:
     return [h["loss"] for h in result["history"]]
 

@@ -1,15 +1,19 @@
 """A training stage with LoRA adapters (``sft.lora``), real Megatron-core SFT jobs on gloo: starting from a trained
 base, only the adapters train (the held-out loss falls), the stored model is the base with the adapters merged (a plain model
-loads it), TP=2 reproduces TP=1, and an interrupted run resumes bit-exactly (its checkpoints hold the adapters)."""
+loads it), TP=2 reproduces TP=1, and an interrupted run resumes bit-exactly (its checkpoints hold the adapters).
+DPO with LoRA and the reference being the policy with its adapters off equals DPO against a frozen copy of the
+reference in memory."""
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from jobs import assert_close, losses, make_sft_data, run_sft, sft_job
+from jobs import assert_close, losses, make_pref_data, make_sft_data, run_dpo, run_sft, sft_job
 
 from align_pipeline.config import LaunchConfig
 from align_pipeline.data.store import load_rows
@@ -72,3 +76,22 @@ def test_lora_resume_is_exact(data, base, straight, tmp_path):
     assert [h["step"] for h in resumed["history"]] == [4, 5, 6]
     assert losses(resumed) == losses(straight)[3:]  # bit-exact
     assert resumed["val_loss"] == straight["val_loss"]
+
+
+def test_lora_dpo_reference_with_adapters_off_equals_a_frozen_copy(data, base, tmp_path):
+    """``dpo.reference: online`` with adapters: the reference is the policy itself with its adapters off (no second
+    model); the same base copied elsewhere is loaded as a separate frozen reference. Same losses and accuracies at
+    every step; at step 1 the adapters are zero, so policy == reference and the DPO loss is -log sigmoid(0) = ln 2."""
+    pref = make_pref_data(tmp_path / "pref", data["tokenizer"])
+    copy = tmp_path / "reference_copy"
+    shutil.copytree(base["model_dir"], copy)
+    off = run_dpo(pref, data["tokenizer"], base["model_dir"], tmp_path / "off", lora=LORA, reference="online")
+    frozen = run_dpo(pref, data["tokenizer"], base["model_dir"], tmp_path / "frozen", lora=LORA, reference="online",
+                     reference_model=str(copy))
+    assert "adapters off" in (tmp_path / "off" / "logs" / "rank0.log").read_text()
+    assert "a frozen copy" in (tmp_path / "frozen" / "logs" / "rank0.log").read_text()
+    assert abs(off["history"][0]["loss"] - math.log(2)) < 1e-6
+    assert_close(losses(off), losses(frozen), tol=1e-5)
+    for key in ("val_loss", "val_accuracy", "val_rewards_margin"):
+        assert abs(off[key] - frozen[key]) < 1e-6, key
+    assert off["val_loss"] < math.log(2) and off["val_rewards_margin"] > 0  # the adapters moved off the reference

@@ -17,6 +17,7 @@ from align_pipeline.config import (
     GenerationConfig,
     KLConfig,
     LaunchConfig,
+    LoRAConfig,
     OptimizerConfig,
     ParallelConfig,
     PPOConfig,
@@ -62,8 +63,11 @@ def _rl_paths(models, run_dir: Path, **extra) -> dict:
 
 
 def ppo_job(models, run_dir: Path, iterations: int = 2, parallel: ParallelConfig | None = None,
-            stop_after: int | None = None, critic_warmup: int = 0) -> PPOJob:
+            stop_after: int | None = None, critic_warmup: int = 0, lora: dict | None = None,
+            reference: str | None = None) -> PPOJob:
+    adapters = {"lora": LoRAConfig(**lora), "critic_lora": LoRAConfig(**lora)} if lora else {}
     section = PPOConfig(
+        **adapters,
         **_rl_section(iterations),
         reward=RewardConfig(reward_model_weight=1.0, functions=[DEMO], missing_eos_penalty=0.5),
         kl=KLConfig(beta=0.1, adaptive=True, target=0.5, horizon=100.0),
@@ -71,7 +75,8 @@ def ppo_job(models, run_dir: Path, iterations: int = 2, parallel: ParallelConfig
         critic_optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0), critic_warmup_iterations=critic_warmup,
     )
     return PPOJob(ppo=section, model=TINY_MODEL, parallel=parallel or ParallelConfig(),
-                  paths=PPOPaths(**_rl_paths(models, run_dir, reward_model=models["rm"])), stop_after=stop_after)
+                  paths=PPOPaths(**_rl_paths(models, run_dir, reward_model=models["rm"], reference=reference)),
+                  stop_after=stop_after)
 
 
 def reinforce_job(models, run_dir: Path, iterations: int = 2, stop_after: int | None = None, **section) -> ReinforceJob:
@@ -144,6 +149,27 @@ def test_one_ppo_iteration_trains_actor_and_critic_and_leaves_reference_and_rm_a
     assert _max_diff(actor, sft) > 1e-3 and _max_diff(critic, rm) > 1e-3
     meta = json.loads((Path(result["critic_dir"]) / "meta.json").read_text())
     assert meta["head"] == "value" and meta["stage"] == "ppo" and meta["lineage"]["reward_model"] == models["rm"]
+
+
+def test_lora_ppo_reference_is_the_actor_with_adapters_off(models, tmp_path):
+    """Actor and critic with adapters: the KL reference is the actor with its adapters off (no reference model), so
+    the KL is 0 at iteration 1 (zero adapters) and not after the actor moved; a frozen copy of the same reference
+    (loaded from another directory) gives the same iterations."""
+    import shutil
+
+    lora = {"rank": 4, "alpha": 8.0}
+    off = run("ppo", ppo_job(models, tmp_path / "off", iterations=2, lora=lora))
+    copy = tmp_path / "sft_copy"
+    shutil.copytree(models["sft"], copy)
+    frozen = run("ppo", ppo_job(models, tmp_path / "frozen", iterations=2, lora=lora, reference=str(copy)))
+    assert "adapters off" in (tmp_path / "off" / "logs" / "rank0.log").read_text()
+    first, second = off["history"]
+    assert first["rollout/init_policy_kl"] == 0.0 and second["rollout/init_policy_kl"] > 1e-6
+    for a, b in zip(_deterministic(off["history"]), _deterministic(frozen["history"])):
+        assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < 1e-5
+    for name in ("actor_dir", "critic_dir"):
+        meta = json.loads((Path(off[name]) / "meta.json").read_text())
+        assert meta["lora"]["merged"] is True and meta["lora"]["rank"] == 4, name
 
 
 def test_ppo_tensor_parallel_matches_one_rank(models, tmp_path):

@@ -447,7 +447,7 @@ class StageRunConfig:
     ``*ForCausalLM``, reward models / critics as ``*ForSequenceClassification``, with the tokenizer)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters (rank 0 = full fine-tuning). The stage's model is stored merged (base + adapters), so every
-    later stage, the evaluation and the HF export read a plain model. PPO: the actor's (the critic trains fully)."""
+    later stage, the evaluation and the HF export read a plain model. PPO: the actor's (the critic's: ``critic_lora``)."""
 
 
 @dataclass

@@ -44,6 +44,12 @@ class DPOConfig(StageRunConfig):
     padded. Needs pipeline_model_parallel_size 1."""
     loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
     """The preference loss."""
+    reference: Literal["cached", "online"] = "cached"
+    """Where the reference log-probs come from. ``cached``: computed once by the reference_logps job (per reference
+    version, preference data and tokenizer) and reused; no reference model in the DPO job. ``online``: computed in
+    the DPO job for every micro-batch: with ``lora.rank`` > 0 by the policy itself with its adapters off (the
+    reference is the policy's start; no second copy of the weights), else by a frozen copy of the reference held
+    beside the policy (TRL's default). Needs pipeline_model_parallel_size 1."""
     reference_cache_dir: str = "data/07_model_output/reference_logps"
     """Cached reference log-probs, one file per (reference checkpoint, preference data, tokenizer)."""
     reference_micro_batch_size: int = 32
@@ -58,7 +64,11 @@ class DPOPaths(TrainPaths):
     """A DPO job's files: the preference data, the policy's start (``init_from``, required) and the cache."""
 
     reference_logps: str | None = None
-    """Cached reference log-probs (.npz from the reference_logps job); None only for reference-free losses."""
+    """Cached reference log-probs (.npz from the reference_logps job); None for reference-free losses and for
+    ``dpo.reference: online``."""
+    reference: str | None = None
+    """The reference model of ``dpo.reference: online`` (None: ``init_from``). With LoRA and the reference being
+    ``init_from``, the policy with its adapters off is the reference."""
 
 
 @dataclass(kw_only=True)
@@ -73,8 +83,13 @@ class DPOJob(StageJob):
     def validate(self, where: str = "DPOJob") -> None:
         if self.paths.init_from is None:
             raise ConfigError(f"{where}.paths.init_from: the policy starts from a checkpoint or HF dir")
-        if self.paths.reference_logps is None and self.dpo.loss.name not in REFERENCE_FREE_LOSSES:
-            raise ConfigError(f"{where}: loss {self.dpo.loss.name!r} needs paths.reference_logps")
+        if (self.paths.reference_logps is None and self.dpo.reference == "cached"
+                and self.dpo.loss.name not in REFERENCE_FREE_LOSSES):
+            raise ConfigError(f"{where}: loss {self.dpo.loss.name!r} needs paths.reference_logps "
+                              "(or dpo.reference: online)")
+        if self.dpo.reference == "online" and self.parallel.pipeline_model_parallel_size > 1:
+            raise ConfigError(f"{where}: dpo.reference: online needs pipeline_model_parallel_size 1 (got "
+                              f"{self.parallel.pipeline_model_parallel_size}); use dpo.reference: cached")
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from align_pipeline.config.base import ConfigError
-from align_pipeline.config.common import OptimizerConfig, RLPaths, StageJob
+from align_pipeline.config.common import LoRAConfig, OptimizerConfig, RLPaths, StageJob
 from align_pipeline.config.rl import RLConfig, check_rl_job
 
 
@@ -36,6 +36,9 @@ class PPOConfig(RLConfig):
     """Clipping, GAE, entropy bonus, whitening."""
     critic_optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The critic's optimizer and schedule."""
+    critic_lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters for the critic (rank 0 = the critic trains fully); its value head always trains. The
+    stored critic is merged, like the actor (``lora``)."""
     critic_warmup_iterations: int = 0
     """First iterations in which only the critic trains and the actor is left as it is. A critic started from the
     reward model predicts reward-model scores, not this reward's returns, so its first advantages are noise that

@@ -20,6 +20,7 @@ keeps this rank's shard: every TP size starts from the same adapters.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -56,6 +57,7 @@ class _Adapter:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
         self.lora_rank, self.lora_alpha, self.lora_dropout = rank, alpha, dropout
         self.lora_scaling = alpha / rank
+        self.lora_enabled = True  # off: the base linear alone (:func:`disabled`)
 
     def _place(self, tensor: torch.Tensor) -> torch.nn.Parameter:
         device = self.weight.device
@@ -76,6 +78,8 @@ class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         output, bias = super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        if not self.lora_enabled:
+            return output, bias
         x = input_
         if self.sequence_parallel:  # [s/t, b, in] -> [s, b, in]; each rank's input gradient is then whole
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
@@ -107,6 +111,8 @@ class LoRARowParallelLinear(_Adapter, RowParallelLinear):
 
     def forward(self, input_):
         output, bias = super().forward(input_)
+        if not self.lora_enabled:
+            return output, bias
         z = F.linear(self._drop(input_), self.lora_A)  # [s, b, r]: this rank's partial sum
         if self.tp_group.size() > 1:
             z = reduce_from_tensor_model_parallel_region(z, group=self.tp_group)
@@ -169,6 +175,21 @@ def freeze_base(model: torch.nn.Module, keep: tuple[str, ...] = ()) -> int:
 def adapted_linears(model: torch.nn.Module) -> dict[str, _Adapter]:
     """The adapted linears of a model, by module name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, _Adapter)}
+
+
+@contextlib.contextmanager
+def disabled(model: torch.nn.Module):
+    """The base model inside the block: every adapter of ``model`` off (its linears compute ``W x`` alone), back on
+    after. A LoRA policy trained from a model is that model with its adapters off: the reference of DPO and the KL
+    reference of RL, with no second copy of the weights."""
+    linears = adapted_linears(model)
+    for m in linears.values():
+        m.lora_enabled = False
+    try:
+        yield model
+    finally:
+        for m in linears.values():
+            m.lora_enabled = True
 
 
 def describe(model: torch.nn.Module) -> dict | None:

@@ -3,23 +3,27 @@
     torchrun --nproc_per_node 2 -m align_pipeline.train.dpo --config run/config.json
 
 The policy starts from ``paths.init_from`` (normally ``sft_policy``); the reference log-probs come precomputed from
-``align_pipeline.train.reference_logps`` (no reference forward pass here). The loss is the function ``dpo.loss.name``
+``align_pipeline.train.reference_logps`` (no reference forward pass here), or, with ``dpo.reference: online``, from
+a reference forward per micro-batch: the LoRA policy with its adapters off, or a frozen copy of the reference. The loss is the function ``dpo.loss.name``
 names in :data:`align_pipeline.losses.preference.PREFERENCE_LOSSES` (dpo, ipo, rpo, simpo, hinge), optionally mixed
 with an SFT term on the chosen response (``sft_weight``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from pathlib import Path
 
 import numpy as np
+import torch
 
-from align_pipeline.config import DPOJob, PreferenceLossConfig
+from align_pipeline.config import DPOJob, ModelConfig, PreferenceLossConfig
 from align_pipeline.config.checks import check_job
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.preference import PreferenceLogps, combine, get_preference_loss
-from align_pipeline.model import init
+from align_pipeline.model import init, lora
 from align_pipeline.model.sequences import lm_token_nll_forward, pair_batch, per_sequence_sum
 from align_pipeline.tracking import RunLogger
 from align_pipeline.train.core import supervised
@@ -27,7 +31,7 @@ from align_pipeline.train.core.batches import load_split_batches
 from align_pipeline.train.core.checkpointing import Checkpoints
 from align_pipeline.train.core.cli import cli
 from align_pipeline.train.core.distributed import init_distributed
-from align_pipeline.train.core.optimizer import build_trainable, train_step
+from align_pipeline.train.core.optimizer import build_frozen, build_trainable, train_step
 from align_pipeline.train.core.progress import log
 from align_pipeline.train.core.schedule import evaluate_loss
 
@@ -45,14 +49,41 @@ def with_reference(arrays: dict[str, np.ndarray], ref, split: str) -> dict[str, 
     return {**arrays, **extra}
 
 
-def preference_loss(lc: PreferenceLossConfig, vocab_size: int, tp_rank: int, logits_chunk: int = 0):
+def online_reference(job: DPOJob, source, dist):
+    """``dpo.reference: online``: the model whose log-probs are the reference, or ``lora.disabled`` (the policy with
+    its LoRA adapters off: the policy starts from the reference); None for cached reference log-probs."""
+    if job.dpo.reference != "online":
+        return None
+    reference = job.paths.reference or job.paths.init_from
+    if job.dpo.lora.rank and Path(reference).resolve() == Path(job.paths.init_from).resolve():
+        log(dist, "[dpo] reference: the policy with its LoRA adapters off (no second copy of the weights)")
+        return lora.disabled
+    log(dist, f"[dpo] reference: a frozen copy of {reference} beside the policy")
+    run_time = ModelConfig(attention_backend=job.model.attention_backend)
+    return build_frozen(init.resolve(reference, run_time, source.vocab_size), job.parallel, dist)
+
+
+def preference_loss(lc: PreferenceLossConfig, vocab_size: int, tp_rank: int, logits_chunk: int = 0, reference=None):
     """(module, pair batch) -> (output, loss_fn): sequence log-probs of chosen and rejected -> the preference loss
-    (``logits_chunk``: ``parallel.logits_chunk_tokens``)."""
+    (``logits_chunk``: ``parallel.logits_chunk_tokens``). ``reference`` (:func:`online_reference`): the reference
+    log-probs are computed here, without autograd, instead of read from the batch."""
     loss = functools.partial(get_preference_loss(lc.name), beta=lc.beta, **lc.options)
     nll_forward = lm_token_nll_forward(vocab_size, tp_rank, logits_chunk)
 
+    def reference_logps(module, ids, labels, mask, batch) -> dict[str, torch.Tensor]:
+        model = module if reference is lora.disabled else reference
+        training = model.training
+        with torch.no_grad(), (lora.disabled(model) if reference is lora.disabled else contextlib.nullcontext()):
+            model.eval()
+            output, nll = nll_forward(model, ids, labels, batch)
+            chosen, rejected = (-per_sequence_sum(nll(output) * mask, batch)).chunk(2)
+            model.train(training)
+        return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+
     def forward_loss(module, batch):
         ids, labels, mask = pair_batch(batch)  # [2b, s] (packed: [1, T])
+        if reference is not None:
+            batch = {**batch, **reference_logps(module, ids, labels, mask, batch)}
         output, nll = nll_forward(module, ids, labels, batch)  # logits [2b, s, V/tp] or hidden states (chunked)
 
         def loss_fn(output):
@@ -86,7 +117,8 @@ def main(job: DPOJob) -> dict:
     train, val = load_split_batches(paths.train_data, paths.val_data, cfg, dist,
                                     extra=lambda arrays, split: with_reference(arrays, ref, split),
                                     packing=job.dpo.packing)
-    loss = preference_loss(lc, source.vocab_size, dist.tp_rank, job.parallel.logits_chunk_tokens)
+    loss = preference_loss(lc, source.vocab_size, dist.tp_rank, job.parallel.logits_chunk_tokens,
+                           online_reference(job, source, dist))
     seq_length = source.model.seq_length
     loss_name = "loss" if lc.sft_weight else f"{lc.name}_loss"
     metric_names = [f"{lc.name}_loss", "accuracy", "rewards_chosen", "rewards_rejected", "rewards_margin",

@@ -134,12 +134,14 @@ def main(job: PPOJob) -> dict:
     warmup = cfg.critic_warmup_iterations  # the actor waits while the critic learns this reward's returns
     actor = build_trainable(source, job.parallel, cfg.optimizer, (rl.iterations - warmup) * rl.steps_per_iteration,
                             dist, lora=cfg.lora)
+    # the critic before the frozen models: its adapters' initial draws do not depend on whether a reference is built
+    critic_source = init.resolve(paths.critic or paths.reward_model, job.model, tok.vocab_size)
+    critic = build_trainable(critic_source, job.parallel, cfg.critic_optimizer, total_steps, dist, head="value",
+                             lora=cfg.critic_lora)
     reward_fns = RewardFunctions.load(cfg.reward, "ppo.reward")
     reference, rm, rm_forward = rollout.load_judges(paths, cfg.reward, job.model.attention_backend, job.parallel, dist,
-                                                    "ppo.reward")
+                                                    "ppo.reward", lora_policy=bool(cfg.lora.rank))
     prompts, val_records = rollout.load_prompts(paths, rl, dist, reward_fns)
-    critic_source = init.resolve(paths.critic or paths.reward_model, job.model, tok.vocab_size)
-    critic = build_trainable(critic_source, job.parallel, cfg.critic_optimizer, total_steps, dist, head="value")
     vocab, seq_length = source.vocab_size, source.model.seq_length
     kl_ctl = (AdaptiveKLController(cfg.kl.beta, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive
               else FixedKLController(cfg.kl.beta))
@@ -168,7 +170,7 @@ def main(job: PPOJob) -> dict:
             offload.frozen_to(dist.device)
             scores = rollout.score(r, cfg.reward, reward_fns, rm, rm_forward, mbs, dist)
             old_logp = rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist)  # [n, s]
-            ref_logp = rollout.token_logprobs(reference, r.rows, vocab, mbs, dist)  # [n, s]
+            ref_logp = rollout.reference_logprobs(reference, actor.model, r.rows, vocab, mbs, dist)  # [n, s]
             values = rollout.token_values(critic.model, r.rows, mbs, dist)  # [n, s]
             offload.frozen_to("cpu")
         offload.optimizers_to(dist.device)

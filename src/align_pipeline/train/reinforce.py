@@ -77,7 +77,7 @@ def main(job: ReinforceJob) -> dict:
     actor = build_trainable(source, job.parallel, cfg.optimizer, total_steps, dist, lora=cfg.lora)
     reward_fns = RewardFunctions.load(cfg.reward, "reinforce.reward")
     reference, rm, rm_forward = rollout.load_judges(paths, cfg.reward, job.model.attention_backend, job.parallel, dist,
-                                                    "reinforce.reward")
+                                                    "reinforce.reward", lora_policy=bool(cfg.lora.rank))
     prompts, val_records = rollout.load_prompts(paths, rl, dist, reward_fns)
     vocab, seq_length = source.vocab_size, source.model.seq_length
     clipped = rl.steps_per_iteration > 1  # the rollout policy differs from the policy after the first step
@@ -105,7 +105,7 @@ def main(job: ReinforceJob) -> dict:
             offload.frozen_to(dist.device)
             scores = rollout.score(r, cfg.reward, reward_fns, rm, rm_forward, mbs, dist)
             old_logp = rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist)  # [n, s]
-            ref_logp = rollout.token_logprobs(reference, r.rows, vocab, mbs, dist)  # [n, s]
+            ref_logp = rollout.reference_logprobs(reference, actor.model, r.rows, vocab, mbs, dist)  # [n, s]
             offload.frozen_to("cpu")
         offload.optimizers_to(dist.device)
         # 3. one advantage per sample from its group

@@ -37,10 +37,14 @@ def compute_reference_logps(sft_policy: str, tokenizer: Artifact, pref_train: Ar
                             parallel: dict, launch: dict, dpo: dict) -> Artifact:
     """Sequence log-probs of the frozen reference (sft_policy) on the preference data, cached by key.
 
-    A rerun with the same reference version, data and tokenizer reuses the file; any change recomputes it.
+    A rerun with the same reference version, data and tokenizer reuses the file; any change recomputes it. With
+    ``dpo.reference: online`` nothing is computed here (the DPO job runs the reference itself): an empty artifact.
     """
     params = from_dict(DPOConfig, dpo, "params:dpo")
     check_tokenized_with(tokenizer, pref_train=pref_train, pref_val=pref_val)
+    if params.reference == "online":
+        log.info("reference log-probs: computed by the DPO job itself (dpo.reference: online)")
+        return Artifact("", "online", {"reference": sft_policy, "online": True})
     key = reference_key(sft_policy, tokenizer, pref_train, pref_val)
     output = (Path(params.reference_cache_dir) / f"{key}.npz").resolve()
     meta = {"key": key, "reference": sft_policy, "pref_train": pref_train.fingerprint, "pref_val": pref_val.fingerprint,
@@ -72,7 +76,8 @@ def train_dpo(tokenizer: Artifact, pref_train: Artifact, pref_val: Artifact, sft
                                  key={"model": model_cfg, "parallel": parallel_cfg, "dpo": cfg,
                                       "reference_logps": dpo_reference_logps.fingerprint})
     job = DPOJob(dpo=cfg, model=model_cfg, parallel=parallel_cfg,
-                 paths=DPOPaths(**to_dict(paths), reference_logps=dpo_reference_logps.path),
+                 paths=DPOPaths(**to_dict(paths), reference_logps=dpo_reference_logps.path or None,
+                                reference=sft_policy if cfg.reference == "online" else None),
                  lineage={**lineage, "reference": sft_policy, "reference_logps": dpo_reference_logps.fingerprint})
     return run_supervised_stage("align_pipeline.train.dpo", job, launch_cfg, cfg, "dpo",
                                 metric_keys=("val_loss", "val_accuracy", "val_rewards_margin", "train_loss"))

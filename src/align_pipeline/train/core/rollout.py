@@ -18,7 +18,7 @@ import torch.distributed as tdist
 from align_pipeline.config import GenerationConfig, ModelConfig, RewardConfig, RLLoopConfig, config_hash, to_dict
 from align_pipeline.config.checks import attribute_weights
 from align_pipeline.data.formats import load_jsonl
-from align_pipeline.model import init
+from align_pipeline.model import init, lora
 from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.generate import generate, prepare_generation
 from align_pipeline.model.sequences import rewards_forward, token_logprobs_forward, token_values_forward
@@ -189,6 +189,16 @@ def token_logprobs(model, rows: dict, vocab_size: int, micro_batch_size: int, di
     return forward_rows(model, rows, token_logprobs_forward(vocab_size, dist.tp_rank), micro_batch_size, dist)
 
 
+def reference_logprobs(reference, policy, rows: dict, vocab_size: int, micro_batch_size: int,
+                       dist: Dist) -> torch.Tensor:
+    """The KL reference's :func:`token_logprobs`: of the ``reference`` model, or, when it is None (see
+    :func:`load_judges`), of the LoRA ``policy`` with its adapters off."""
+    if reference is not None:
+        return token_logprobs(reference, rows, vocab_size, micro_batch_size, dist)
+    with lora.disabled(policy):
+        return token_logprobs(policy, rows, vocab_size, micro_batch_size, dist)
+
+
 def token_values(model, rows: dict, micro_batch_size: int, dist: Dist) -> torch.Tensor:
     """A value-head model's V(s_t) at every position of this rank's rollout rows: [n, s] fp32."""
     return forward_rows(model, rows, token_values_forward(), micro_batch_size, dist)
@@ -289,13 +299,20 @@ def validation_accuracy(model, records: list[dict], gen: GenerationConfig, tok, 
     return {"val/greedy_accuracy": totals[0].item() / n, "val/accuracy": totals[1].item() / n}
 
 
-def load_judges(paths, reward: RewardConfig, attention_backend: str, parallel, dist: Dist, where: str):
+def load_judges(paths, reward: RewardConfig, attention_backend: str, parallel, dist: Dist, where: str,
+                lora_policy: bool = False):
     """The frozen models of an RL stage: the KL reference (``paths.reference`` or the policy's start) and, when the
     reward uses it, the reward model with its scoring forward (its pooling; a multi-attribute model's outputs
     combined by ``reward.reward_model_attribute_weights``, ``where`` naming that section); returns (reference,
-    reward model | None, rewards forward | None)."""
+    reward model | None, rewards forward | None). ``lora_policy`` (the policy trains adapters) with the reference
+    being the policy's start: no reference model (None): the policy with its adapters off is the reference
+    (:func:`reference_logprobs`)."""
     run_time = ModelConfig(attention_backend=attention_backend)
-    reference = build_frozen(init.resolve(paths.reference or paths.policy, run_time, 0), parallel, dist)
+    reference = None
+    if lora_policy and paths.reference in (None, paths.policy):
+        log(dist, "[rl] KL reference: the policy with its LoRA adapters off (no second copy of the weights)")
+    else:
+        reference = build_frozen(init.resolve(paths.reference or paths.policy, run_time, 0), parallel, dist)
     if paths.reward_model is None or not reward.reward_model_weight:
         return reference, None, None
     source = init.resolve(paths.reward_model, run_time, 0)
