@@ -3,6 +3,7 @@ Kedro.
 
     align-pipeline [kedro run options]                       # the pipeline, as `kedro run`
     align-pipeline export CHECKPOINT_DIR HF_DIR [--tokenizer DIR] [--dtype float32|bfloat16|float16] [--check]
+    align-pipeline export LORA_CHECKPOINT_DIR PEFT_DIR --peft [--base-model BASE_HF_DIR]
     align-pipeline import HF_DIR CHECKPOINT_DIR [--tp N] [--pp N] [--seq-length N] [--check]
     align-pipeline mlflow-log CHECKPOINT_OR_RUN_DIR [--run-id ID | --experiment NAME] [--tracking-uri URI]
     align-pipeline compare [RUN_OR_VERSION ...] [--last N] [--filter "MLFLOW FILTER"] [--out DIR] [--no-log]
@@ -37,9 +38,25 @@ def export_command(argv: list[str]) -> int:
                         "print max |dlogit| and exit 1 above --tol")
     parser.add_argument("--tol", type=float, default=None,
                         help="--check tolerance (default 1e-4 for a float32 export, 5e-2 for bfloat16/float16)")
+    parser.add_argument("--peft", action="store_true",
+                        help="write the checkpoint's LoRA adapters as a PEFT adapter directory (adapter_config.json + "
+                        "adapter_model.safetensors) for the HF export of its base model, instead of the merged model")
+    parser.add_argument("--base-model", default=None,
+                        help="--peft: base_model_name_or_path to record (default: the base checkpoint's path)")
     args = parser.parse_args(argv)
 
-    from align_pipeline.model.hf_export import HFExportError, export_hf, progress_printer
+    from align_pipeline.model.hf_export import HFExportError, export_hf, export_peft, progress_printer
+
+    if args.peft:
+        try:
+            summary = export_peft(args.checkpoint, args.hf_dir, base_model=args.base_model)
+        except (HFExportError, FileNotFoundError) as exc:
+            print(f"align-pipeline export: {exc}", file=sys.stderr)
+            return 2
+        print(f"align-pipeline export: PEFT adapter ({', '.join(summary['target_modules'])}; {summary['params']:,} "
+              f"parameters) -> {summary['out_dir']}; load it onto the HF export of {summary['base_model'] or 'the base'}"
+              " with peft.PeftModel.from_pretrained")
+        return 0
 
     t0 = time.perf_counter()
     try:

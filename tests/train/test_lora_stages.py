@@ -95,3 +95,34 @@ def test_lora_dpo_reference_with_adapters_off_equals_a_frozen_copy(data, base, t
     for key in ("val_loss", "val_accuracy", "val_rewards_margin"):
         assert abs(off[key] - frozen[key]) < 1e-6, key
     assert off["val_loss"] < math.log(2) and off["val_rewards_margin"] > 0  # the adapters moved off the reference
+
+
+def test_peft_export_of_the_adapters_loads_onto_the_exported_base(data, base, straight, tmp_path):
+    """The stage's adapters (``adapters/`` beside the merged model) as a PEFT adapter: ``peft`` loads it onto the HF
+    export of the base, and that model's logits equal our merged checkpoint's (fp32, 1e-4)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from align_pipeline.model.hf_export import export_hf, export_peft
+
+    meta = json.loads((Path(straight["model_dir"]) / "meta.json").read_text())
+    assert meta["lora"]["base"] == base["model_dir"] and meta["lora"]["adapters"] == "adapters"
+    adapter_bytes = sum(f.stat().st_size for f in (Path(straight["model_dir"]) / "adapters").rglob("*") if f.is_file())
+    model_bytes = sum(f.stat().st_size for f in Path(straight["model_dir"]).rglob("*") if f.is_file())
+    assert adapter_bytes < 0.3 * model_bytes
+    export_hf(base["model_dir"], tmp_path / "base_hf")
+    summary = export_peft(straight["model_dir"], tmp_path / "peft", base_model=tmp_path / "base_hf")
+    assert sorted(summary["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                 "v_proj"]
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base_hf",
+                                                                        dtype=torch.float32), tmp_path / "peft")
+    tokens = load_rows(data["val"])["input_ids"][:2].tolist()
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens)).logits.numpy()
+    ours = _logits(straight["model_dir"], tmp_path / "ours", tokens)[..., : theirs.shape[-1]]
+    assert np.abs(ours - theirs).max() < 1e-4
+    plain = _logits(base["model_dir"], tmp_path / "plain", tokens)[..., : theirs.shape[-1]]
+    assert np.abs(plain - theirs).max() > 1e-3  # the adapters are applied, not ignored

@@ -68,6 +68,10 @@ def reward_pooling(path: str | os.PathLike) -> str:
     return meta["reward_head"]["pooling"]
 
 
+ADAPTERS_DIR = "adapters"
+"""Subdirectory of a LoRA stage's model checkpoint holding its adapters alone (a Megatron sharded checkpoint)."""
+
+
 def _atomic_dir_write(final: Path, write_fn, meta: dict[str, Any]) -> Path:
     """Run ``write_fn(tmp_dir)`` on all ranks, then rank 0 writes meta.json and renames tmp -> final."""
     final = Path(final)
@@ -112,16 +116,23 @@ def _save(state: dict[str, Any], directory: Path) -> None:
 def save_model(path: str | os.PathLike, model, meta: dict[str, Any]) -> Path:
     """Save model weights (sharded, any parallel layout) with ``meta`` as ``meta.json``. A model with LoRA adapters
     is saved merged (``W + (alpha / r) B A``, no adapter entries; meta ``lora`` says so): the model every later stage,
-    evaluation and the HF export read."""
+    evaluation and the HF export read. Its adapters alone are saved beside it in ``adapters/`` (a few MB: what
+    :func:`align_pipeline.model.hf_export.export_peft` writes as a PEFT adapter for the base model)."""
     inner = unwrap(model)
     adapters = lora.describe(inner)
     meta = {"format": FORMAT_VERSION, "kind": "model", **meta}
     if adapters:
-        meta["lora"] = {**adapters, "merged": True}
+        meta["lora"] = {**adapters, "merged": True, "adapters": ADAPTERS_DIR,
+                        "base": ((meta.get("lineage") or {}).get("parent") or {}).get("path")}
 
     def write(tmp: Path) -> None:
         sharded = inner.sharded_state_dict()
         _save(lora.merge_into_sharded_state_dict(inner, sharded) if adapters else sharded, tmp)
+        if adapters:
+            if (tdist.get_rank() if tdist.is_initialized() else 0) == 0:
+                (tmp / ADAPTERS_DIR).mkdir()
+            _barrier()
+            _save({k: v for k, v in inner.sharded_state_dict().items() if lora.is_adapter(k)}, tmp / ADAPTERS_DIR)
 
     return _atomic_dir_write(Path(path), write, meta)
 

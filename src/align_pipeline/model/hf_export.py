@@ -197,6 +197,17 @@ def architecture(family: str, head: str) -> str:
 Producer = Callable[[], torch.Tensor]
 
 
+def split_qkv(fused: torch.Tensor, model: ModelConfig) -> list[torch.Tensor]:
+    """Megatron's fused QKV rows ``[groups * (h/g + 2) * d, ...]`` (per key/value group: its query heads, its key
+    head, its value head) -> HF's ``[q, k, v]`` rows."""
+    heads = model.num_attention_heads
+    groups, head_dim = model.num_query_groups or heads, rope.head_dim(model)
+    rest = fused.shape[1:]
+    per_group = fused.reshape(groups, (heads // groups + 2) * head_dim, *rest)
+    pieces = per_group.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
+    return [p.reshape(-1, *rest).contiguous() for p in pieces]
+
+
 def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int,
                head: str = "lm") -> list[tuple[str, tuple[int, ...], Producer]]:
     """The export's tensors as (HF name, shape, producer) in file order (embedding, then layer by layer, then the
@@ -229,11 +240,7 @@ def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int,
             raise HFExportError(f"{ckpt.path}: {name} holds {shape[0]} layers, expected {layers}")
 
     def qkv_part(suffix: str, i: int, part: int) -> torch.Tensor:
-        fused = layer(f"decoder.layers.self_attention.linear_qkv.{suffix}", i)  # [groups * (h/g + 2) * d, (hidden)]
-        rest = fused.shape[1:]
-        per_group = fused.reshape(groups, (heads // groups + 2) * head_dim, *rest)
-        pieces = per_group.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
-        return pieces[part].reshape(-1, *rest).contiguous()
+        return split_qkv(layer(f"decoder.layers.self_attention.linear_qkv.{suffix}", i), model)[part]
 
     def fc1_part(suffix: str, i: int, part: int) -> torch.Tensor:
         return layer(f"decoder.layers.mlp.linear_fc1.{suffix}", i).chunk(2, dim=0)[part].contiguous()  # [gate; up]
@@ -443,6 +450,63 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     os.replace(tmp, out)
     return {"family": family, "architecture": config.architectures[0], "out_dir": str(out),
             "tokenizer": bool(tokens), **written}
+
+
+PEFT_MODULES = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "linear_proj": ("self_attn", ("o_proj",)),
+                "linear_fc1": ("mlp", ("gate_proj", "up_proj")), "linear_fc2": ("mlp", ("down_proj",))}
+"""Our adapted linears -> HF's modules (a fused linear's adapter becomes one per HF module: the same A, B's rows
+split the way the fused weight's are)."""
+
+
+def export_peft(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
+                base_model: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Write the adapters of a LoRA stage's model checkpoint as a PEFT LoRA adapter directory (``adapter_config.json``
+    + ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the HF export of the stage's
+    base model (``align-pipeline export <base checkpoint> <base_hf>``); ``base_model`` is recorded as
+    ``base_model_name_or_path`` (default: the base checkpoint the stage started from). Policies only (an LM head)."""
+    from safetensors.torch import save_file
+
+    checkpoint, out = Path(checkpoint), Path(out_dir)
+    meta = checkpoint_meta(checkpoint)
+    adapters = meta.get("lora")
+    if not adapters or not (checkpoint / adapters.get("adapters", "-")).is_dir():
+        raise HFExportError(f"{checkpoint} holds no LoRA adapters (trained with <stage>.lora.rank > 0 by this "
+                            "version or later?)")
+    if meta.get("head", "lm") != "lm":
+        raise HFExportError(f"{checkpoint} is a value-head model; PEFT export covers policies (export the merged "
+                            "model with `align-pipeline export` instead)")
+    if out.exists():
+        raise HFExportError(f"{out} exists; export into a new directory")
+    model = from_dict(ModelConfig, meta["model"], "meta.json model")
+    ckpt = CheckpointTensors(checkpoint / adapters["adapters"])
+    tensors: dict[str, torch.Tensor] = {}
+    targets = []
+    for ours, (block, theirs) in PEFT_MODULES.items():
+        name = f"decoder.layers.{'self_attention' if block == 'self_attn' else 'mlp'}.{ours}"
+        if not ckpt.has(f"{name}.lora_A"):
+            continue
+        targets += theirs
+        for i in range(model.num_layers):
+            a, b = ckpt.layer(f"{name}.lora_A", i), ckpt.layer(f"{name}.lora_B", i)
+            parts = split_qkv(b, model) if ours == "linear_qkv" else b.chunk(2) if ours == "linear_fc1" else [b]
+            for module, b_part in zip(theirs, parts):
+                pre = f"base_model.model.model.layers.{i}.{block}.{module}"
+                tensors[f"{pre}.lora_A.weight"] = a.float().clone()  # one copy per HF module
+                tensors[f"{pre}.lora_B.weight"] = b_part.float().contiguous()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": adapters["rank"], "lora_alpha": adapters["alpha"],
+              "lora_dropout": adapters["dropout"], "target_modules": targets, "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+              "base_model_name_or_path": str(base_model or adapters.get("base") or ""),
+              "revision": None, "modules_to_save": None}
+    tmp = out.parent / f".tmp-{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "align_pipeline_meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, out)
+    return {"out_dir": str(out), "target_modules": targets, "tensors": len(tensors),
+            "params": sum(t.numel() for t in tensors.values()), "base_model": config["base_model_name_or_path"]}
 
 
 def check_parity(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, work_dir: str | os.PathLike,
