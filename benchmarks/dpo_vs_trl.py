@@ -177,8 +177,19 @@ def run_ours(args: argparse.Namespace, data: dict[str, str], hf_dir: str, out: P
     run_dir.mkdir(parents=True, exist_ok=True)
     job = dpo_job(args, data, hf_dir, ref_path, run_dir, n_val, bf16)
     print("[dpo_vs_trl] ours: DPO ...", flush=True)
-    result = run_torchrun("align_pipeline.train.dpo", to_dict(job), LaunchConfig(nproc_per_node=1), run_dir,
-                          name="dpo")
+    if args.profile:  # the last warm-up step (left out of the timing) under torch.profiler
+        os.environ.update(ALIGN_PROFILE_DIR=str(out / "profile_ours"), ALIGN_PROFILE_STEP=str(max(args.warmup, 1)))
+    try:
+        result = run_torchrun("align_pipeline.train.dpo", to_dict(job), LaunchConfig(nproc_per_node=1), run_dir,
+                              name="dpo")
+    finally:
+        os.environ.pop("ALIGN_PROFILE_DIR", None)
+    profile = out / "profile_ours" / "rank0_kernels.json"
+    if profile.is_file():
+        summary = json.loads(profile.read_text())
+        print(f"[dpo_vs_trl] ours, profiled step: {summary['kernels']} kernels, GPU {summary['total_us'] / 1e3:.0f} ms "
+              f"of {summary['step_wall_us'] / 1e3:.0f} ms wall ({summary['gpu_busy_share']:.0%} busy); "
+              + ", ".join(f"{k} {v['share']:.0%}" for k, v in summary["categories"].items()), flush=True)
     history = result["history"]
     tokens = {h.get("step_tokens") for h in history}
     if tokens != {2 * args.seq * args.global_batch}:
@@ -468,6 +479,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="leave out the TRL row with a reference forward every step")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="TRL's default (on); off by default here, as our job recomputes nothing")
+    p.add_argument("--profile", action="store_true",
+                   help="kernel profile of our last warm-up step (<out>/profile_ours; GPU only)")
     p.add_argument("--out", required=True, help="working directory: data, HF init, runs, dpo_vs_trl.json/.md")
     return p.parse_args(argv)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -33,8 +34,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from dpo_vs_trl import make_pref_data  # noqa: E402
-from sft_scaling import header_lines, make_copy_data, run_header  # noqa: E402
+from dpo_vs_trl import make_pref_data
+from sft_scaling import header_lines, make_copy_data, run_header
 
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
@@ -85,7 +86,11 @@ def run_job(module: str, job, run_dir: Path) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - a row that failed (out of memory) is a result
         text = str(exc)
         oom = "out of memory" in text.lower() or "OutOfMemoryError" in text
-        return {"error": "out of memory" if oom else text[-400:], "wall_s": time.perf_counter() - t}
+        lines = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln] or text.splitlines()[:1]
+        return {"error": "out of memory" if oom else lines[0][:200], "wall_s": time.perf_counter() - t}
+    finally:
+        # training checkpoints (fp32 optimizer states: 16 bytes a parameter) are not needed: keep the disk free
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return {**result, "wall_s": time.perf_counter() - t}
 
 
@@ -182,10 +187,10 @@ def reference_logps(base: Path, pref: dict[str, str], run_dir: Path, parallel, a
 def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = header_lines(report) + [
-        f"Shapes: {', '.join(f'{k} ({v / 1e9:.2f}B parameters)' for k, v in report['parameters'].items())}; "
-        f"SFT seq {s['sft_seq']}, micro-batch {s['sft_micro']}, global {s['sft_global']}; DPO seq {s['dpo_seq']} "
-        f"per sequence, micro-batch {s['dpo_micro']} pairs, global {s['dpo_global']}; {s['steps']} steps, "
-        f"tokens/s over steps {s['warmup'] + 1}-{s['steps']}; LoRA rank {s['rank']} on all four linears.", "",
+        (f"Shapes: {', '.join(f'{k} ({v / 1e9:.2f}B parameters)' for k, v in report['parameters'].items())}; "
+         f"SFT seq {s['sft_seq']}, micro-batch {s['sft_micro']}, global {s['sft_global']}; DPO seq {s['dpo_seq']} "
+         f"per sequence, micro-batch {s['dpo_micro']} pairs, global {s['dpo_global']}; {s['steps']} steps, "
+         f"tokens/s over steps {s['warmup'] + 1}-{s['steps']}; LoRA rank {s['rank']} on all four linears."), "",
         "| shape | run | tokens/s | s/step | peak GiB (training step) | vs full with a separate reference |",
         "|---|---|---|---|---|---|"]
     full_ref = {r["shape"]: r.get("peak_train_gib") for r in report["rows"]

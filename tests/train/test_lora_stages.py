@@ -50,7 +50,8 @@ def test_lora_sft_trains_the_adapters_and_stores_the_merged_model(data, base, st
     assert len(losses(straight)) == 6
     assert straight["val_loss"] < base["val_loss"] - 0.02  # the adapters improve on their base (3.37 vs 3.40)
     meta = json.loads((Path(straight["model_dir"]) / "meta.json").read_text())
-    assert meta["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "merged": True,
+    assert meta["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "merged": True, "adapters": "adapters",
+                            "base": base["model_dir"],
                             "target_modules": ["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"]}
     # a plain model (no adapters) loads the stored one, and it is not the base any more
     tokens = load_rows(data["val"])["input_ids"][:2].tolist()
@@ -64,6 +65,18 @@ def test_lora_tp2_equals_tp1(data, base, straight, tmp_path):
                           parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}), nproc=2)
     assert_close(losses(tp2), losses(straight), tol=2e-5)
     assert abs(tp2["val_loss"] - straight["val_loss"]) < 2e-5
+    # the adapters saved at TP=2 are the TP=1 ones, in the same (whole-tensor) layout: gated fc1's B too
+    from safetensors.numpy import load_file
+
+    from align_pipeline.model.hf_export import export_peft
+
+    adapters = {}
+    for name, run in (("tp1", straight), ("tp2", tp2)):
+        export_peft(run["model_dir"], tmp_path / f"peft_{name}")
+        adapters[name] = load_file(str(tmp_path / f"peft_{name}" / "adapter_model.safetensors"))
+    assert adapters["tp1"].keys() == adapters["tp2"].keys()
+    for key, value in adapters["tp1"].items():
+        assert np.abs(value - adapters["tp2"][key]).max() < 1e-4, key
 
 
 def test_lora_resume_is_exact(data, base, straight, tmp_path):

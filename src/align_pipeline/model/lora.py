@@ -94,8 +94,17 @@ class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         state_dict = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"weight": 0, "bias": 0, "lora_B": 0},
-                                                   sharded_offsets, tp_group=self.tp_group)
+        sharded = make_sharded_tensors_for_checkpoint(state_dict, prefix, {"weight": 0, "bias": 0, "lora_B": 0},
+                                                      sharded_offsets, tp_group=self.tp_group)
+        if self.config.gated_linear_unit and prefix.endswith("linear_fc1."):
+            # B's rows follow the gated fc1 weight's: this rank's [gate; up] rows, stored as the whole [gate; up]
+            # the way Megatron's MLP stores the weight (so any TP size reads the same adapters)
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+            key = f"{prefix}lora_B"
+            sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets,
+                                                        (metadata or {}).get("singleton_local_shards", False))
+        return sharded
 
 
 class LoRARowParallelLinear(_Adapter, RowParallelLinear):

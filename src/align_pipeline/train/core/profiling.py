@@ -4,7 +4,8 @@
 
 The ``ALIGN_PROFILE_STEP``-th optimizer step (1-based, default 8: after compilation and warm-up) of every rank runs
 under ``torch.profiler``; each rank writes ``rank<N>_kernels.json`` (accelerator time by kernel category - matmul,
-attention, fused/generated, communication, other elementwise - and the 40 longest kernels) and
+attention, fused/generated, communication, other elementwise -, the 40 longest kernels, the step's wall time and
+the share of it the GPU spent in kernels) and
 ``rank<N>_trace.json`` (a Chrome trace) into ``ALIGN_PROFILE_DIR``.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,8 +70,14 @@ def maybe_profile(rank: int) -> Iterator[None]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         yield
         torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
     Path(out).mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(Path(out) / f"rank{rank}_trace.json"))
-    (Path(out) / f"rank{rank}_kernels.json").write_text(json.dumps(summarize(prof.events()), indent=1))
+    summary = summarize(prof.events())
+    # kernel time / wall time of the step (under the profiler's own overhead): well below 1 = the GPU waits on the host
+    summary.update(step_wall_us=wall_us, gpu_busy_share=summary["total_us"] / wall_us if wall_us else None)
+    (Path(out) / f"rank{rank}_kernels.json").write_text(json.dumps(summary, indent=1))
