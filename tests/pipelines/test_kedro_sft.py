@@ -276,10 +276,11 @@ def test_hf_model_through_data_prep_sft_dpo_then_export(project):
 
 
 
-def test_lora_stages_on_an_hf_model_store_merged_models_that_transformers_loads(project):
-    """SFT and DPO with adapters (`sft.lora`, `dpo.lora`) from a tiny HF model: the stored policies are the merged
-    models (meta.json says so), and `--pipelines export` with `export.check` writes them as HF directories whose
-    transformers logits equal the checkpoints' (fp32, 1e-4): the merged weights are what transformers runs."""
+def test_lora_stages_on_an_hf_model_store_adapters_that_export_merged(project):
+    """SFT and DPO with adapters (`sft.lora`, `dpo.lora`) from a tiny HF model: each stored policy is its adapters
+    alone with its base (SFT: the HF directory; DPO: the SFT version), a fraction of the base's size; DPO starts
+    from the SFT artifact (merged on load), and `--pipelines export` with `export.check` writes both as merged HF
+    directories whose transformers logits equal the checkpoints' (fp32, 1e-4)."""
     hf_dir = project / "hf_base"
     _llama32_style_hf_dir(hf_dir)
     lora = {"rank": 4, "alpha": 8.0}
@@ -288,10 +289,18 @@ def test_lora_stages_on_an_hf_model_store_merged_models_that_transformers_loads(
               "sft": {**FAST["sft"], "init_from": str(hf_dir), "lora": lora}, "dpo": {**TINY_STAGE, "lora": lora}}
     (project / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(params))
     _run(project, "data_prep", "sft", "dpo")
+    bases = {"sft": str(hf_dir.resolve())}
     for stage in ("sft", "dpo"):
         (version,) = (project / "data" / "06_models" / f"{stage}_policy").iterdir()
-        meta = json.loads((version / f"{stage}_policy" / "meta.json").read_text())
-        assert meta["lora"]["merged"] is True and meta["lora"]["rank"] == 4, stage
+        artifact = version / f"{stage}_policy"
+        meta = json.loads((artifact / "meta.json").read_text())
+        assert meta["lora"]["storage"] == "adapters" and meta["lora"]["rank"] == 4, stage
+        assert meta["lora"]["base"] == bases[stage], stage
+        bases["dpo"] = str(artifact.resolve())
+        assert not list(artifact.glob("*.distcp")), stage  # no model weights, only adapters/
+        size = sum(f.stat().st_size for f in artifact.rglob("*") if f.is_file())
+        base_size = sum(f.stat().st_size for f in hf_dir.rglob("*.safetensors"))
+        assert size < base_size, (stage, size, base_size)  # tiny model: rank 4 is a large share of it
     outputs = _run(project, "export")
     for stage in ("sft", "dpo"):
         summary = outputs[f"{stage}_policy_export_metrics"].load()

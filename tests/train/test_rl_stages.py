@@ -167,9 +167,12 @@ def test_lora_ppo_reference_is_the_actor_with_adapters_off(models, tmp_path):
     assert first["rollout/init_policy_kl"] == 0.0 and second["rollout/init_policy_kl"] > 1e-6
     for a, b in zip(_deterministic(off["history"]), _deterministic(frozen["history"])):
         assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < 1e-5
-    for name in ("actor_dir", "critic_dir"):
-        meta = json.loads((Path(off[name]) / "meta.json").read_text())
-        assert meta["lora"]["merged"] is True and meta["lora"]["rank"] == 4, name
+    storage = {name: json.loads((Path(off[name]) / "meta.json").read_text())["lora"]["storage"]
+               for name in ("actor_dir", "critic_dir")}
+    assert storage == {"actor_dir": "adapters", "critic_dir": "merged"}  # a value head is stored merged
+    actor = outputs_of(off["actor_dir"], tmp_path / "o_actor")  # merged into the SFT policy on load
+    assert _max_diff(actor, outputs_of(frozen["actor_dir"], tmp_path / "o_frozen")) < 1e-5
+    assert _max_diff(actor, outputs_of(models["sft"], tmp_path / "o_sft")) > 1e-4
 
 
 def test_ppo_tensor_parallel_matches_one_rank(models, tmp_path):

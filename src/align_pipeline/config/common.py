@@ -150,6 +150,11 @@ class LoRAConfig:
                                                                 "linear_fc2"])
     """Megatron linears that get adapters: linear_qkv / linear_proj (attention in / out), linear_fc1 / linear_fc2
     (MLP in / out)."""
+    store: Literal["adapters", "merged"] = "adapters"
+    """What the stage's model artifact holds. ``adapters``: the adapters alone (a few MB) and the path of the base
+    they apply to; every reader (the next stage, evaluation, the HF export) merges them into the base on load.
+    ``merged``: the base with the adapters merged (full size), the adapters beside it. A value-head model (reward
+    model, critic) and a base without a path (random init) are always stored merged."""
 
     def validate(self, where: str = "lora") -> None:
         require_at_least(self, where, 0, "rank")

@@ -113,21 +113,27 @@ def _save(state: dict[str, Any], directory: Path) -> None:
         dist_checkpointing.save(state, str(directory))
 
 
-def save_model(path: str | os.PathLike, model, meta: dict[str, Any]) -> Path:
-    """Save model weights (sharded, any parallel layout) with ``meta`` as ``meta.json``. A model with LoRA adapters
-    is saved merged (``W + (alpha / r) B A``, no adapter entries; meta ``lora`` says so): the model every later stage,
-    evaluation and the HF export read. Its adapters alone are saved beside it in ``adapters/`` (a few MB: what
-    :func:`align_pipeline.model.hf_export.export_peft` writes as a PEFT adapter for the base model)."""
+def save_model(path: str | os.PathLike, model, meta: dict[str, Any], adapters_only: bool = False) -> Path:
+    """Save model weights (sharded, any parallel layout) with ``meta`` as ``meta.json``.
+
+    A model with LoRA adapters is saved either as its adapters alone (``adapters_only``: ``adapters/`` and meta
+    ``lora.storage: adapters`` with ``lora.base``, the checkpoint or HF directory they apply to; a few MB, merged
+    into the base on load by :func:`align_pipeline.model.init.resolve`), or merged (``W + (alpha / r) B A``, no
+    adapter entries, ``lora.storage: merged``) with the adapters beside it in ``adapters/``. A value-head model, or
+    one whose base has no path (random init), is always saved merged."""
     inner = unwrap(model)
     adapters = lora.describe(inner)
     meta = {"format": FORMAT_VERSION, "kind": "model", **meta}
+    base = ((meta.get("lineage") or {}).get("parent") or {}).get("path")
+    adapters_only = bool(adapters and adapters_only and base and meta.get("head", "lm") == "lm")
     if adapters:
-        meta["lora"] = {**adapters, "merged": True, "adapters": ADAPTERS_DIR,
-                        "base": ((meta.get("lineage") or {}).get("parent") or {}).get("path")}
+        meta["lora"] = {**adapters, "merged": not adapters_only, "storage": "adapters" if adapters_only else "merged",
+                        "adapters": ADAPTERS_DIR, "base": str(Path(base).resolve()) if base else None}
 
     def write(tmp: Path) -> None:
         sharded = inner.sharded_state_dict()
-        _save(lora.merge_into_sharded_state_dict(inner, sharded) if adapters else sharded, tmp)
+        if not adapters_only:
+            _save(lora.merge_into_sharded_state_dict(inner, sharded) if adapters else sharded, tmp)
         if adapters:
             if (tdist.get_rank() if tdist.is_initialized() else 0) == 0:
                 (tmp / ADAPTERS_DIR).mkdir()
@@ -137,12 +143,57 @@ def save_model(path: str | os.PathLike, model, meta: dict[str, Any]) -> Path:
     return _atomic_dir_write(Path(path), write, meta)
 
 
+def adapters_only(meta: dict[str, Any]) -> bool:
+    """Whether a model checkpoint's meta describes a LoRA artifact that holds its adapters alone."""
+    return (meta.get("lora") or {}).get("storage") == "adapters"
+
+
+def merge_stored_adapters(path: str | os.PathLike, model) -> None:
+    """Add the adapters of the checkpoint at ``path`` (its ``adapters/``) into ``model``'s base weights, in place:
+    ``W += (alpha / r) B A`` on this rank's shard of every adapted linear (any TP/PP layout: the adapters are read
+    whole, layer by layer, and sliced the way the weight is sharded; a gated fc1's rows as [gate; up] per rank)."""
+    from align_pipeline.model.hf_export import CheckpointTensors
+
+    meta = read_meta(path)
+    spec = meta["lora"]
+    scaling = spec["alpha"] / spec["rank"]
+    stored = CheckpointTensors(Path(path) / spec.get("adapters", ADAPTERS_DIR))
+    inner = unwrap(model)
+    gated = bool(getattr(inner.config, "gated_linear_unit", False))
+    with torch.no_grad():
+        for layer in getattr(inner.decoder, "layers", []):
+            i = layer.layer_number - 1  # global layer index (pipeline stages hold a slice)
+            for block_name, block in (("self_attention", layer.self_attention), ("mlp", layer.mlp)):
+                for target in spec["target_modules"]:
+                    linear = getattr(block, target, None)
+                    key = f"decoder.layers.{block_name}.{target}"
+                    if linear is None or not stored.has(f"{key}.lora_A"):
+                        continue
+                    a, b = stored.layer(f"{key}.lora_A", i).float(), stored.layer(f"{key}.lora_B", i).float()
+                    r = linear.tp_group.rank()
+                    rows, cols = linear.weight.shape
+                    if target in ("linear_qkv", "linear_fc1"):  # column-parallel: this rank's rows of B
+                        if target == "linear_fc1" and gated:
+                            half = rows // 2
+                            b = torch.cat([part[r * half:(r + 1) * half] for part in b.chunk(2)])
+                        else:
+                            b = b[r * rows:(r + 1) * rows]
+                    else:  # row-parallel: this rank's columns of A
+                        a = a[:, r * cols:(r + 1) * cols]
+                    weight = linear.weight
+                    delta = (b.to(weight.device) @ a.to(weight.device)) * scaling
+                    weight.copy_((weight.float() + delta).to(weight.dtype))
+
+
 def load_model(path: str | os.PathLike, model) -> dict[str, Any]:
     """Load weights saved by :func:`save_model` or :func:`save_training` into ``model`` (resharding TP/PP as needed).
 
     Returns the checkpoint's meta.
     """
     meta = read_meta(path)
+    if adapters_only(meta):
+        raise ValueError(f"{path} holds LoRA adapters only (base: {meta['lora'].get('base')}); load it through "
+                         "align_pipeline.model.init.resolve, which merges them into their base")
     inner = unwrap(model)
     sharded = inner.sharded_state_dict()
     new_head = getattr(inner, "head", "lm") == "value" and meta.get("head", "lm") == "lm"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -394,6 +395,19 @@ def _add_legacy_keys(config_json: Path, model: ModelConfig, dtype: str) -> None:
     config_json.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def materialize(checkpoint: str | os.PathLike, out: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
+    """A LoRA artifact of adapters alone as a plain model checkpoint ``out`` (its base with the adapters merged), in
+    a one-process job (:mod:`align_pipeline.model.merge_job`)."""
+    from align_pipeline.config import LaunchConfig
+    from align_pipeline.launch import run_torchrun
+
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    result = run_torchrun("align_pipeline.model.merge_job", {"checkpoint": str(Path(checkpoint).resolve()),
+                                                            "out": str(Path(out).resolve())},
+                          LaunchConfig(nproc_per_node=1), run_dir, name=f"merge {Path(checkpoint).name}")
+    return Path(result["out"])
+
+
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
               dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
@@ -412,6 +426,13 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     """
     checkpoint, out = Path(checkpoint), Path(out_dir)
     meta = checkpoint_meta(checkpoint)
+    if (meta.get("lora") or {}).get("storage") == "adapters":  # adapters alone: merged into their base first
+        if out.exists():
+            raise HFExportError(f"{out} exists; export into a new directory")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".merge-{out.name}-", dir=out.parent) as work:
+            merged = materialize(checkpoint, Path(work) / "merged", Path(work) / "job")
+            return export_hf(merged, out, tokenizer, dtype, max_shard_bytes, progress)
     if meta.get("kind") != "model":
         raise HFExportError(f"{checkpoint} is a {meta.get('kind')!r} checkpoint; export a model checkpoint (the "
                             "stage's artifact, or <run_dir>/<model>/model)")

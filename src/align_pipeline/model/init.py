@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,17 @@ class ModelSource:
     """Outputs of a value head."""
 
 
+def _base_then_adapters(base: ModelSource, path: Path, model) -> None:
+    base.load(model)
+    checkpoint.merge_stored_adapters(path, model)
+
+
 def resolve(init_from: str | None, model: ModelConfig, tokenizer_vocab_size: int) -> ModelSource:
     """Decide the model to build from ``init_from``.
 
     * None: ``model`` as configured (vocab from the tokenizer unless set), random weights.
-    * a checkpoint directory (has meta.json): the checkpoint's own architecture and vocab; its weights.
+    * a checkpoint directory (has meta.json): the checkpoint's own architecture and vocab; its weights (a LoRA
+      artifact of adapters alone: its base's weights with the adapters merged in).
     * an HF model directory (has config.json): architecture converted from the HF config; its weights.
     """
     if init_from is None:
@@ -42,10 +49,17 @@ def resolve(init_from: str | None, model: ModelConfig, tokenizer_vocab_size: int
         ckpt_model = from_dict(ModelConfig, meta["model"])
         # Keep run-time choices (attention kernel) from the current config; the architecture is the checkpoint's.
         ckpt_model = dataclasses.replace(ckpt_model, attention_backend=model.attention_backend)
+        load = functools.partial(checkpoint.load_model, path)
+        if checkpoint.adapters_only(meta):  # LoRA adapters alone: the base's weights, then the adapters merged in
+            base = meta["lora"].get("base")
+            if not base or not Path(base).exists():
+                raise FileNotFoundError(f"{path} holds LoRA adapters for the base {base!r}, which is gone; keep "
+                                        "the base version (or store the stage merged: <stage>.lora.store: merged)")
+            load = functools.partial(_base_then_adapters, resolve(base, ckpt_model, tokenizer_vocab_size), path)
         return ModelSource(
             ckpt_model,
             int(meta["vocab_size"]),
-            lambda m: checkpoint.load_model(path, m),
+            load,
             {"kind": "checkpoint", "path": str(path), "meta": {k: meta.get(k) for k in ("stage", "step", "lineage")}},
             head=meta.get("head", "lm"),
             num_outputs=int(meta.get("num_outputs", 1)),

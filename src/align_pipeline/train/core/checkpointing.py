@@ -101,5 +101,6 @@ class Checkpoints:
                             "mlflow_run_id": os.environ.get("MLFLOW_RUN_ID")},
                 **(per_model or {}).get(name, {}),
             }
-            out[f"{name}_dir"] = str(checkpoint.save_model(d / "model", t.model, model_meta))
+            adapters_only = bool(t.lora is not None and t.lora.rank and t.lora.store == "adapters")
+            out[f"{name}_dir"] = str(checkpoint.save_model(d / "model", t.model, model_meta, adapters_only))
         return out

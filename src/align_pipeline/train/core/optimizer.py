@@ -37,6 +37,8 @@ class Trainable:
     """"lm" (vocab logits) or "value" (reward model, critic)."""
     num_outputs: int = 1
     """Outputs of a value head."""
+    lora: LoRAConfig | None = None
+    """Its adapters (None or rank 0: full fine-tuning)."""
 
 
 def build_trainable(source: ModelSource, parallel: ParallelConfig, opt: OptimizerConfig, total_steps: int,
@@ -91,7 +93,7 @@ def build_trainable(source: ModelSource, parallel: ParallelConfig, opt: Optimize
         wd_incr_steps=total_steps,
         wd_incr_style="constant",
     )
-    return Trainable(source, model, optimizer, scheduler, head, num_outputs)
+    return Trainable(source, model, optimizer, scheduler, head, num_outputs, lora)
 
 
 def build_frozen(source: ModelSource, parallel: ParallelConfig, dist: Dist, head: str = "lm"):
