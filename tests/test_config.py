@@ -130,9 +130,12 @@ RANGES = [  # (section, dataclass, a failing value, a passing value, the message
     ("launch", config.LaunchConfig, {"nproc_per_node": 0}, {"nproc_per_node": "gpus"},
      "params:launch.nproc_per_node=0 must be >= 1"),
     ("launch", config.LaunchConfig, {"nnodes": 0}, {"nnodes": 1}, "params:launch.nnodes=0 must be >= 1"),
-    ("launch", config.LaunchConfig, {"nnodes": 2, "node_rank": 2, "master_port": 29500},
-     {"nnodes": 2, "node_rank": 1, "master_port": 29500},
-     r"params:launch.node_rank=2 must be in \[0, params:launch.nnodes=2\)"),
+    ("launch", config.LaunchConfig, {"nnodes": 2, "node_rank": 1, "master_port": 29500},
+     {"nnodes": 2, "node_rank": 0, "master_port": 29500},
+     r"params:launch.node_rank=1: kedro runs on node 0 only; start every other node with `align-pipeline worker"),
+    ("launch", config.LaunchConfig, {"slurm": {"sbatch_lines": ["qos=high"]}},
+     {"slurm": {"sbatch_lines": ["--qos=high"]}},
+     r"params:launch.slurm.sbatch_lines: each is an sbatch option starting with '-'"),
     ("launch", config.LaunchConfig, {"master_port": 70000}, {"master_port": 65535},
      r"params:launch.master_port=70000 must be in \[0, 65535\]"),
     ("launch", config.LaunchConfig, {"nnodes": 2}, {"nnodes": 2, "master_port": 29500},
@@ -476,3 +479,13 @@ def test_hook_resolves_gpus_only_for_stage_nodes(pipelines):
     check_layouts(params, pipelines["data_prep"], _Catalog(), gpus=lambda: 0)  # launches nothing
     with pytest.raises(ConfigError, match="params:launch.nproc_per_node=gpus but no GPU is visible"):
         check_layouts(params, pipelines["sft"], _Catalog(), gpus=lambda: 0)
+
+
+def test_launch_backend_names_the_launcher_and_its_old_values_the_distributed_backend():
+    """`launch.backend` is local | slurm; configs written when it named the torch.distributed backend still load."""
+    old = from_dict(config.LaunchConfig, {"backend": "gloo"}, "params:launch")
+    assert (old.backend, old.dist_backend) == ("local", "gloo")
+    new = from_dict(config.LaunchConfig, {"backend": "slurm", "dist_backend": "nccl"}, "params:launch")
+    assert (new.backend, new.dist_backend) == ("slurm", "nccl")
+    with pytest.raises(ConfigError, match="slurm.gpus_per_node"):
+        from_dict(config.LaunchConfig, {"backend": "slurm", "nproc_per_node": "gpus"}, "params:launch")

@@ -8,13 +8,14 @@ Kedro.
     align-pipeline mlflow-log CHECKPOINT_OR_RUN_DIR [--run-id ID | --experiment NAME] [--tracking-uri URI]
     align-pipeline compare [RUN_OR_VERSION ...] [--last N] [--filter "MLFLOW FILTER"] [--out DIR] [--no-log]
     align-pipeline sweep --pipelines dpo --grid dpo.loss.beta=0.03,0.1,0.3 [--grid ...] [--env ENV]
+    align-pipeline worker --master-addr NODE0 --master-port PORT          # the other nodes of a multi-node run
 """
 
 import os
 import sys
 from pathlib import Path
 
-COMMANDS = ("export", "import", "mlflow-log", "compare", "sweep")
+COMMANDS = ("export", "import", "mlflow-log", "compare", "sweep", "worker")
 
 
 def export_command(argv: list[str]) -> int:
@@ -218,10 +219,28 @@ def sweep_command(argv: list[str]) -> int:
     return main(argv, _store_args)
 
 
+def worker_command(argv: list[str]) -> int:
+    """``worker``: a node of a multi-node run other than node 0 (see :mod:`align_pipeline.launch.multinode`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="align-pipeline worker",
+                                     description="Join node 0's `kedro run` (launch.nnodes > 1) as one of its other "
+                                     "nodes: run each stage's torchrun here until node 0's run ends.")
+    parser.add_argument("--master-addr", required=True, help="node 0's address (its launch.master_addr)")
+    parser.add_argument("--master-port", type=int, required=True, help="node 0's launch.master_port")
+    parser.add_argument("--connect-timeout", type=float, default=600.0,
+                        help="seconds to wait for node 0's job board to appear")
+    args = parser.parse_args(argv)
+
+    from align_pipeline.launch.multinode import run_worker
+
+    return run_worker(args.master_addr, args.master_port, args.connect_timeout)
+
+
 def main(*args, **kwargs):
     if not args and len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
         commands = {"export": export_command, "import": import_command, "mlflow-log": mlflow_log_command,
-                    "compare": compare_command, "sweep": sweep_command}
+                    "compare": compare_command, "sweep": sweep_command, "worker": worker_command}
         sys.exit(commands[sys.argv[1]](sys.argv[2:]))
 
     from kedro.framework.cli.utils import find_run_command

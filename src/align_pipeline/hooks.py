@@ -48,6 +48,7 @@ from align_pipeline.console import plain_logging_when_piped
 from align_pipeline.data.formats import Artifact
 from align_pipeline.datasets import CheckpointDataset, HFModelDataset
 from align_pipeline.gates import GateFailed
+from align_pipeline.launch import multinode
 from align_pipeline.pipelines.common import RUN_DIR_CLEANUP
 from align_pipeline.tracking.lineage import git_tags, lineage_tags
 from align_pipeline.tracking.mlflow_logger import (
@@ -497,8 +498,10 @@ class MlflowHook:
 
     @hook_impl
     def after_pipeline_run(self) -> None:
-        """End the parent run FINISHED (every node has stored its outputs: the run succeeded)."""
+        """End the parent run FINISHED (every node has stored its outputs: the run succeeded); multi-node: the
+        worker nodes exit."""
         RUN_DIR_CLEANUP.end()
+        multinode.shutdown()
         with self._lock:
             stored, self._unsaved = list(self._unsaved), {}
         for name in stored:  # none in kedro 1.7, which saves a node's outputs before the node counts as done
@@ -512,6 +515,7 @@ class MlflowHook:
         parent's ``kedro.failed_node``; its run directory is kept for a rerun to resume from."""
         message = f"{type(error).__name__}: {error}"[:MAX_TAG_VALUE]
         RUN_DIR_CLEANUP.end()
+        multinode.shutdown()
         with self._lock:
             unsaved, self._unsaved = sorted(self._unsaved), {}
             children = {name: self._node_runs[name] for name in unsaved if name in self._node_runs}

@@ -42,16 +42,20 @@ def _gone(p: psutil.Process) -> bool:
 
 
 def test_multi_node_command():
-    launch = LaunchConfig(nproc_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29511)
+    """Node 0 of a two-node job (the other runs `align-pipeline worker`): a c10d rendezvous on the port after the
+    job board's, its id derived from the run directory."""
+    launch = LaunchConfig(nproc_per_node=8, nnodes=2, master_addr="10.0.0.1", master_port=29511)
     cmd = build_command("align_pipeline.train.sft", "/r/config.json", launch, "/r/logs")
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]  # one node: align_pipeline.launch._agent
     opts = dict(zip(cmd[3:15:2], cmd[4:15:2]))
+    from align_pipeline.launch.slurm import rdzv_id
+
     assert opts == {
         "--nnodes": "2",
         "--nproc-per-node": "8",
-        "--node-rank": "1",
-        "--master-addr": "10.0.0.1",
-        "--master-port": "29511",
+        "--rdzv-backend": "c10d",
+        "--rdzv-endpoint": "10.0.0.1:29512",
+        "--rdzv-id": rdzv_id(Path("/r")),
         "--max-restarts": "0",
     }
     # the per-rank shim, then the entry point exactly as `python -m <module> --config <json>` would get it

@@ -170,6 +170,39 @@ class LoRAConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """``launch.slurm``: how a stage runs as a Slurm job (``launch.backend: slurm``)."""
+
+    partition: str | None = None
+    """``--partition`` (None: the cluster's default)."""
+    account: str | None = None
+    """``--account``."""
+    time: str | None = None
+    """``--time`` limit, e.g. "04:00:00" (None: the partition's)."""
+    gpus_per_node: int | None = None
+    """``--gpus-per-node`` (None: not asked; CPU jobs)."""
+    cpus_per_task: int | None = None
+    """``--cpus-per-task`` of the one task per node that runs torchrun (None: the cluster's default)."""
+    sbatch_lines: list[str] = field(default_factory=list)
+    """Extra ``#SBATCH`` options, one per item, e.g. ``["--qos=high", "--exclusive"]``."""
+    rdzv_port: int = 29400
+    """Port of the c10d rendezvous on the job's first node."""
+    poll_s: float = 1.0
+    """Seconds between job-state queries while the job is pending or running."""
+
+    def validate(self, where: str = "slurm") -> None:
+        require_at_least(self, where, 1, "gpus_per_node", "cpus_per_task")
+        if not 1 <= self.rdzv_port <= 65535:
+            raise ConfigError(f"{where}.rdzv_port={self.rdzv_port} must be in [1, 65535]")
+        bad = [line for line in self.sbatch_lines if not str(line).startswith("-")]
+        if bad:
+            raise ConfigError(f"{where}.sbatch_lines: each is an sbatch option starting with '-', got {bad}")
+
+
+_LEGACY_DIST_BACKENDS = ("auto", "nccl", "gloo")
+
+
+@dataclass
 class LaunchConfig:
     """How a node starts its torchrun job."""
 
@@ -179,30 +212,47 @@ class LaunchConfig:
     nnodes: int = 1
     """Nodes in the job."""
     node_rank: int = 0
-    """This node's rank (multi-node runs)."""
+    """Always 0: ``kedro run`` runs on node 0; the other nodes run ``align-pipeline worker`` (multi-node without
+    Slurm, ``launch/multinode.py``)."""
     master_addr: str = "127.0.0.1"
-    """Rendezvous host."""
+    """Node 0's address: its job board for the workers (multi-node), the rendezvous host."""
     master_port: int = 0
-    """Rendezvous port; 0 = pick a free one."""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Port of node 0's job board (multi-node; the c10d rendezvous uses the next port); 0 = pick a free one (one
+    node only)."""
+    backend: Literal["local", "slurm", "auto", "nccl", "gloo"] = "local"
+    """Where the job runs: ``local`` (torchrun started by this process) or ``slurm`` (a Slurm job: ``sbatch``, or
+    ``srun`` inside an allocation; see ``slurm``). The old values auto/nccl/gloo name ``dist_backend`` and are read
+    as such."""
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend; auto = nccl with CUDA, else gloo."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """Slurm submission settings (``backend: slurm``)."""
     threads_per_process: int | None = None
     """OMP/torch threads per rank on CPU; None = cores / nproc_per_node."""
     log_tail_lines: int = 40
     """Lines of a failing rank's log to include in the error."""
+
+    def __post_init__(self) -> None:
+        if self.backend in _LEGACY_DIST_BACKENDS:  # launch.backend used to be the torch.distributed backend
+            self.backend, self.dist_backend = "local", self.backend
 
     def validate(self, where: str = "launch") -> None:
         if self.nproc_per_node != "gpus":
             require_at_least(self, where, 1, "nproc_per_node")
         require_at_least(self, where, 1, "nnodes", "threads_per_process")
         require_at_least(self, where, 0, "log_tail_lines")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"{where}.node_rank={self.node_rank} must be in [0, {where}.nnodes={self.nnodes})")
+        if self.node_rank != 0:
+            raise ConfigError(f"{where}.node_rank={self.node_rank}: kedro runs on node 0 only; start every other "
+                              "node with `align-pipeline worker --master-addr <node 0> --master-port <port>` "
+                              "(README, Multi-node)")
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"{where}.master_port={self.master_port} must be in [0, 65535]")
-        if self.nnodes > 1 and self.master_port == 0:
+        if self.nnodes > 1 and self.master_port == 0 and self.backend == "local":
             raise ConfigError(f"{where}.master_port=0 (pick a free one) works on one node only; "
                               f"{where}.nnodes={self.nnodes} needs an explicit port")
+        if self.backend == "slurm" and self.nproc_per_node == "gpus" and self.slurm.gpus_per_node is None:
+            raise ConfigError(f"{where}.nproc_per_node=gpus with backend slurm needs {where}.slurm.gpus_per_node "
+                              "(the job's nodes are not this machine)")
 
 
 @dataclass

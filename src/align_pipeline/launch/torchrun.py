@@ -52,6 +52,7 @@ from typing import Any
 from align_pipeline.config import LaunchConfig, from_dict
 from align_pipeline.console import job_warning_filters
 from align_pipeline.errors import UserError
+from align_pipeline.launch import multinode, slurm
 from align_pipeline.tracking.mlflow_logger import child_run_env
 from align_pipeline.tracking.runs import log_artifacts_to_active_run
 
@@ -256,15 +257,20 @@ def _as_launch_config(launch: LaunchConfig | Mapping[str, Any]) -> LaunchConfig:
 def build_command(module: str, config_path: str | Path, launch: LaunchConfig, log_dir: str | Path) -> list[str]:
     """The torchrun command line (``master_port`` 0 is replaced by a free port). A single-node job runs torchrun
     through :mod:`align_pipeline.launch._agent`, so its store listens on ``master_addr`` alone (127.0.0.1)."""
-    port = launch.master_port or free_port(launch.master_addr)
-    agent = AGENT_MODULE if launch.nnodes == 1 else "torch.distributed.run"
+    if launch.nnodes > 1:  # c10d rendezvous with the workers of the other nodes (launch/multinode.py)
+        from align_pipeline.launch import multinode
+
+        rendezvous = multinode.rdzv_args(launch, Path(log_dir).parent)
+        agent = "torch.distributed.run"
+    else:
+        port = launch.master_port or free_port(launch.master_addr)
+        rendezvous = ["--node-rank", "0", "--master-addr", launch.master_addr, "--master-port", str(port)]
+        agent = AGENT_MODULE
     return [
         sys.executable, "-m", agent,
         "--nnodes", str(launch.nnodes),
         "--nproc-per-node", str(launch.nproc_per_node),
-        "--node-rank", str(launch.node_rank),
-        "--master-addr", launch.master_addr,
-        "--master-port", str(port),
+        *rendezvous,
         "--max-restarts", "0",
         "-m", WORKER_MODULE, str(log_dir),
         module, "--config", str(config_path),
@@ -598,19 +604,26 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
         config["run_dir"] = str(run_dir)
     config_path.write_text(json.dumps(config, indent=2, default=str))
 
-    backend = resolve_backend(launch.backend)
-    cmd = build_command(module, config_path, launch, log_dir)
+    on_slurm = launch.backend == "slurm"
+    if on_slurm and launch.dist_backend == "auto":  # the job's nodes, not this machine, decide
+        backend = "nccl" if launch.slurm.gpus_per_node else "gloo"
+    else:
+        backend = resolve_backend(launch.dist_backend)
     job_env = build_env(launch, backend, env)
     job_env["ALIGN_RUN_LOCK"] = str(run_dir / LOCK_NAME)
-    stream_rank = launch.node_rank * launch.nproc_per_node
-    logger.info(
-        "%s: torchrun %d node(s) x %d proc(s), backend %s, logs %s",
-        label,
-        launch.nnodes,
-        launch.nproc_per_node,
-        backend,
-        log_dir,
-    )
+    if on_slurm:
+        (log_dir / "torchrun.log").unlink(missing_ok=True)  # Slurm appends every node's agent output to it
+        script = run_dir / "slurm_job.sh"
+        script.write_text(slurm.job_script(module, config_path, launch, log_dir, label, WORKER_MODULE))
+        cmd = ["bash", str(script)]
+        logger.info("%s: %s, backend %s, logs %s", label, slurm.describe(launch, job_env), backend, log_dir)
+    else:
+        cmd = build_command(module, config_path, launch, log_dir)
+        logger.info("%s: torchrun %d node(s) x %d proc(s), backend %s, logs %s", label, launch.nnodes,
+                    launch.nproc_per_node, backend, log_dir)
+    multi = not on_slurm and launch.nnodes > 1
+    job_number = multinode.post(launch, module, config_path, env) if multi else None
+    stream_rank = 0
     logger.debug("%s: %s", label, shlex.join(cmd))
     follower = _LogFollower(
         log_dir / f"rank{stream_rank}.log",
@@ -621,6 +634,16 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
 
     watch = _RankWatch(log_dir)
     start = time.monotonic()
+    if on_slurm and not slurm.inside_allocation(job_env):  # sbatch: Slurm runs it; we follow its logs
+        job_id = slurm.submit(script, job_env)
+        logger.info("%s: submitted Slurm job %s", label, job_id)
+        try:
+            with _SigtermRaises():
+                returncode = slurm.wait(job_id, job_env, launch, label, follower.pump)
+        finally:
+            follower.pump(final=True)
+            follower.close()
+        return _job_result(label, module, returncode, launch, run_dir, start, {})
     proc: subprocess.Popen | None = None
     try:
         with _SigtermRaises(), open(log_dir / "torchrun.log", "wb") as agent_log:
@@ -633,12 +656,27 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
                 start_new_session=True,  # own process group: the terminal's Ctrl-C reaches us, we stop the job
                 preexec_fn=_parent_death_signal(),  # noqa: PLW1509 — one prctl call, no locks taken
             )
+            next_check = 0.0
             while proc.poll() is None:
                 follower.pump()
                 watch.poll()
+                if multi and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + 0.5
+                    failed = multinode.worker_failures(launch, job_number)
+                    if failed:
+                        raise _WorkerFailed(failed)
                 time.sleep(_POLL_S)
             follower.pump(final=True)
+    except _WorkerFailed as exc:  # another node's job failed: stop ours, report the failing rank from the logs
+        follower.close()
+        terminate_tree(proc)
+        multinode.finish(launch, job_number, ok=False)
+        message, rank, exitcode, rank_log = _failure_message(label, module, 1, log_dir, launch, watch.gone_at)
+        raise LaunchError(f"{message}\nother node(s): " + "; ".join(f["message"] for f in exc.failures),
+                          module=module, rank=rank, exitcode=exitcode, log_path=rank_log) from None
     except BaseException as exc:
+        if multi:
+            multinode.finish(launch, job_number, ok=False)
         follower.close()
         if proc is not None and proc.poll() is None:
             logger.warning(
@@ -650,16 +688,26 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
             terminate_tree(proc)
         raise
 
+    if multi:
+        multinode.finish(launch, job_number, ok=proc.returncode == 0)
+    return _job_result(label, module, proc.returncode, launch, run_dir, start, watch.gone_at)
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, failures: list[dict[str, Any]]) -> None:
+        super().__init__("a worker node's job failed")
+        self.failures = failures
+
+
+def _job_result(label: str, module: str, returncode: int, launch: LaunchConfig, run_dir: Path, start: float,
+                gone_at: Mapping[int, float]) -> dict[str, Any]:
+    """The job's ``result.json`` after it ended with ``returncode``, or the :class:`LaunchError` of its failure."""
+    log_dir, result_path = run_dir / "logs", run_dir / "result.json"
     elapsed = time.monotonic() - start
-    if proc.returncode != 0:
-        message, rank, exitcode, rank_log = _failure_message(
-            label, module, proc.returncode, log_dir, launch, watch.gone_at
-        )
+    if returncode != 0:
+        message, rank, exitcode, rank_log = _failure_message(label, module, returncode, log_dir, launch, gone_at)
         raise LaunchError(message, module=module, rank=rank, exitcode=exitcode, log_path=rank_log)
     if not result_path.exists():
-        if launch.node_rank != 0:  # rank 0 (and its result.json) lives on the master node
-            logger.info("%s: finished in %.1f s (node %d; the result is on node 0)", label, elapsed, launch.node_rank)
-            return {}
         raise LaunchError(
             f"torchrun job {label!r} (module {module}) exited 0 but rank 0 wrote no {result_path}\n"
             f"last lines of rank 0's log:\n{_tail(log_dir / 'rank0.log', launch.log_tail_lines)}",

@@ -1,0 +1,162 @@
+"""A stage's torchrun job as a Slurm job (``launch.backend: slurm``).
+
+The node writes ``<run_dir>/slurm_job.sh`` and submits it with ``sbatch`` (or, inside an allocation, where
+``SLURM_JOB_ID`` is set, runs it directly: its ``srun`` is then a step of that allocation). The script starts one
+task per node, and each task runs torchrun with a c10d rendezvous on the job's first node::
+
+    srun --nodes N --ntasks-per-node 1 python -m torch.distributed.run --nnodes N --nproc-per-node G \\
+        --rdzv-backend c10d --rdzv-endpoint <first node>:<rdzv_port> --rdzv-id <from the run directory> \\
+        -m align_pipeline.launch._worker <run_dir>/logs <module> --config <run_dir>/config.json
+
+Everything else is the local launcher's (:mod:`align_pipeline.launch.torchrun`): the rank logs in
+``<run_dir>/logs`` (the run directory must be on a filesystem every node sees, as the checkpoints already require),
+rank 0's log streamed with the usual progress lines, its ``result.json`` returned, a failing rank's error raised
+with its log tail. The job's environment is the launching process's (``sbatch`` exports it), so MLflow attaches
+exactly as for local runs. Ctrl-C, a SIGTERM or any exception in the launching process cancels the job
+(``scancel``) and waits until Slurm has ended it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from align_pipeline.config import LaunchConfig
+
+logger = logging.getLogger("align_pipeline.launch")
+
+CANCEL_WAIT_S = 60.0
+"""How long a cancelled job may take to leave the queue before the launcher gives up waiting."""
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+          "OUT_OF_MEMORY"}
+
+
+class SlurmError(RuntimeError):
+    """Slurm refused or lost the job (``sbatch`` failed, the job vanished): not a rank's failure."""
+
+
+def rdzv_id(run_dir: Path) -> str:
+    """The c10d rendezvous id of a stage's job: derived from its run directory (a rerun of the same stage, e.g. a
+    resume, gets the same id; two stages never share one)."""
+    return "align-" + hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
+def job_script(module: str, config_path: Path, launch: LaunchConfig, log_dir: Path, label: str,
+               worker_module: str) -> str:
+    """The batch script: ``#SBATCH`` options from ``launch`` and ``launch.slurm``, then one torchrun per node."""
+    s = launch.slurm
+    name = "align-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
+    options = [f"--job-name={name}", f"--nodes={launch.nnodes}", "--ntasks-per-node=1",
+               f"--output={log_dir / 'torchrun.log'}", "--open-mode=append"]
+    options += [f"--{key.replace('_', '-')}={value}" for key, value in
+                (("partition", s.partition), ("account", s.account), ("time", s.time),
+                 ("gpus_per_node", s.gpus_per_node), ("cpus_per_task", s.cpus_per_task)) if value is not None]
+    options += [str(line) for line in s.sbatch_lines]
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(launch.nnodes), "--nproc-per-node", str(launch.nproc_per_node),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f'"$head:{s.rdzv_port}"', "--rdzv-id", rdzv_id(log_dir.parent),
+        "--max-restarts", "0",
+        "-m", worker_module, shlex.quote(str(log_dir)), module, "--config", shlex.quote(str(config_path)),
+    ]  # fmt: skip
+    return "\n".join([
+        "#!/bin/bash",
+        f"# {label}: written by align_pipeline.launch.slurm; submit with sbatch (or run inside an allocation)",
+        *(f"#SBATCH {shlex.quote(option)}" for option in options),
+        "set -euo pipefail",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"srun --kill-on-bad-exit=1 --nodes={launch.nnodes} --ntasks-per-node=1 " + " ".join(torchrun),
+        "",
+    ])  # fmt: skip
+
+
+def inside_allocation(env: dict[str, str]) -> bool:
+    """Whether the launching process runs inside a Slurm allocation (the job then runs as a step of it)."""
+    return bool(env.get("SLURM_JOB_ID"))
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> str:
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
+    except FileNotFoundError as exc:
+        raise SlurmError(f"launch.backend=slurm but {cmd[0]!r} is not on PATH (Slurm's client commands are needed "
+                         "on the machine that runs kedro)") from exc
+    if out.returncode != 0:
+        raise SlurmError(f"{shlex.join(cmd)} failed ({out.returncode}): {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout.strip()
+
+
+def submit(script: Path, env: dict[str, str]) -> str:
+    """``sbatch`` the script; returns the job id."""
+    return _run(["sbatch", "--parsable", str(script)], env).split(";")[0]
+
+
+def job_state(job_id: str, env: dict[str, str]) -> tuple[str, int | None, str]:
+    """(state, exit code or None while running, reason) of a job from ``scontrol show job``."""
+    try:
+        text = _run(["scontrol", "show", "job", "-o", job_id], env)
+    except SlurmError as exc:
+        if "Invalid job id" in str(exc):
+            return "GONE", None, "purged from slurmctld"
+        raise
+    fields = dict(item.split("=", 1) for item in text.split() if "=" in item)
+    state = fields.get("JobState", "UNKNOWN")
+    code, _, sig = fields.get("ExitCode", "0:0").partition(":")
+    exit_code = (128 + int(sig) if sig and int(sig) else int(code)) if state in _ENDED else None
+    return state, exit_code, fields.get("Reason", "")
+
+
+def cancel(job_id: str, env: dict[str, str], label: str) -> None:
+    """``scancel`` the job and wait until Slurm has ended it (at most :data:`CANCEL_WAIT_S`)."""
+    logger.warning("%s: cancelling Slurm job %s", label, job_id)
+    subprocess.run(["scancel", job_id], env=env, capture_output=True, check=False, timeout=60)
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while time.monotonic() < deadline:
+        state, _, _ = job_state(job_id, env)
+        if state in _ENDED or state == "GONE":
+            return
+        time.sleep(0.5)
+    logger.warning("%s: Slurm job %s still %s after %.0f s", label, job_id, state, CANCEL_WAIT_S)
+
+
+def wait(job_id: str, env: dict[str, str], launch: LaunchConfig, label: str, pump) -> int:
+    """Poll the job until it ends, calling ``pump()`` (the log follower) in between; returns its exit code.
+    Any exception (Ctrl-C, SIGTERM turned into one) cancels the job first."""
+    shown = ""
+    try:
+        while True:
+            state, exit_code, reason = job_state(job_id, env)
+            pump()
+            if state == "GONE":
+                raise SlurmError(f"Slurm job {job_id} left slurmctld's records before its end was seen")
+            if state in _ENDED:
+                if state != "COMPLETED" and not exit_code:
+                    exit_code = 1  # e.g. CANCELLED by someone else, TIMEOUT: a failure even with ExitCode 0:0
+                return int(exit_code or 0)
+            if state != shown:
+                logger.info("%s: Slurm job %s %s%s", label, job_id, state.lower(),
+                            f" ({reason})" if reason and reason != "None" else "")
+                shown = state
+            time.sleep(launch.slurm.poll_s)
+    except BaseException:
+        cancel(job_id, env, label)
+        raise
+
+
+def start_in_allocation(script: Path, env: dict[str, str], agent_log) -> subprocess.Popen:
+    """Run the script as a step of the current allocation (its ``#SBATCH`` lines are comments to bash)."""
+    return subprocess.Popen(["bash", str(script)], env=env, stdin=subprocess.DEVNULL, stdout=agent_log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def describe(launch: LaunchConfig, env: dict[str, str]) -> str:
+    where = f"step of allocation {env['SLURM_JOB_ID']}" if inside_allocation(env) else "sbatch"
+    return f"Slurm ({where}) {launch.nnodes} node(s) x {launch.nproc_per_node} proc(s)"
+
+
+__all__ = ["SlurmError", "cancel", "job_script", "job_state", "rdzv_id", "submit", "wait"]
