@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from progress_trigger import acting_on_step
 
 from align_pipeline.config import LaunchConfig
 from align_pipeline.launch import LaunchError, LaunchInterrupted, build_command, build_env, run_torchrun
@@ -132,31 +133,9 @@ def test_exit_zero_without_result_is_an_error(tmp_path):
         run_torchrun("toy_entry", {"mode": "no_result", "steps": 1}, one, tmp_path, env=TOY_ENV)
 
 
-class _OnStep(logging.Handler):
-    """When rank 0's progress reaches step 2: remember our descendants, then ``action()`` (in the main thread)."""
-
-    def __init__(self, action):
-        super().__init__()
-        self.action, self.procs = action, []
-
-    def emit(self, record):
-        if "step 2/" in record.getMessage() and not self.procs:
-            self.procs = psutil.Process().children(recursive=True)
-            self.action()
-
-
 def _run_interrupted(tmp_path, action, expected):
-    handler = _OnStep(action)
-    launch_logger = logging.getLogger("align_pipeline.launch")
-    launch_logger.addHandler(handler)
-    old_level = launch_logger.level
-    launch_logger.setLevel(logging.INFO)
-    try:
-        with pytest.raises(expected):
-            run_torchrun("toy_entry", {"mode": "hang", "steps": 10_000}, TWO, tmp_path, env=TOY_ENV)
-    finally:
-        launch_logger.removeHandler(handler)
-        launch_logger.setLevel(old_level)
+    with acting_on_step(action) as handler, pytest.raises(expected):
+        run_torchrun("toy_entry", {"mode": "hang", "steps": 10_000}, TWO, tmp_path, env=TOY_ENV)
     worker_pids = {int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)}
     assert worker_pids <= {p.pid for p in handler.procs}  # the workers were among what we watched
     assert len(handler.procs) >= 3  # torchrun + 2 workers

@@ -6,7 +6,6 @@ cannot start (binaries missing, not root); .ci/run installs Debian's packages.""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from progress_trigger import acting_on_step
 from projects import copy_project, enter_project, run_kedro
 from slurm_cluster import SlurmCluster, SlurmUnavailable, unavailable_reason
 
@@ -92,34 +92,17 @@ def test_failing_rank_fails_the_launch_with_its_error(cluster, tmp_path):
     assert _queue() == ""
 
 
-class _OnStep(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.fired = False
-
-    def emit(self, record):
-        if "step 2/" in record.getMessage() and not self.fired:
-            self.fired = True
-            os.kill(os.getpid(), signal.SIGINT)
-
-
 def test_ctrl_c_cancels_the_slurm_job(cluster, tmp_path):
     # Python's own Ctrl-C handler, whatever this process inherited (a suite started in the background by a script
     # has SIGINT ignored)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    handler = _OnStep()
-    launch_logger = logging.getLogger("align_pipeline.launch")
-    launch_logger.addHandler(handler)
-    old_level = launch_logger.level
-    launch_logger.setLevel(logging.INFO)
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with acting_on_step(lambda: os.kill(os.getpid(), signal.SIGINT)) as handler, \
+                pytest.raises(KeyboardInterrupt):
             run_torchrun("toy_entry", {"mode": "hang", "steps": 10_000}, SLURM_TWO, tmp_path, env=TOY_ENV)
     finally:
         signal.signal(signal.SIGINT, previous)
-        launch_logger.removeHandler(handler)
-        launch_logger.setLevel(old_level)
-    assert handler.fired
+    assert handler.procs  # it fired
     assert _queue() == ""  # cancelled, and gone from the queue
     ranks = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
     deadline = time.monotonic() + 30
