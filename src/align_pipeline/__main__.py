@@ -228,8 +228,9 @@ def worker_command(argv: list[str]) -> int:
                                      "nodes: run each stage's torchrun here until node 0's run ends.")
     parser.add_argument("--master-addr", required=True, help="node 0's address (its launch.master_addr)")
     parser.add_argument("--master-port", type=int, required=True, help="node 0's launch.master_port")
-    parser.add_argument("--connect-timeout", type=float, default=600.0,
-                        help="seconds to wait for node 0's job board to appear")
+    parser.add_argument("--connect-timeout", type=float, default=3600.0,
+                        help="seconds to wait for node 0's job board (it appears with node 0's first multi-node "
+                        "stage, after data preparation)")
     args = parser.parse_args(argv)
 
     from align_pipeline.launch.multinode import run_worker

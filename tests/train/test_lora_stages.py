@@ -90,6 +90,16 @@ def test_lora_tp2_equals_tp1(data, base, straight, tmp_path):
     assert adapters["tp1"].keys() == adapters["tp2"].keys()
     for key, value in adapters["tp1"].items():
         assert np.abs(value - adapters["tp2"][key]).max() < 1e-4, key
+    # and the HF exports (base + adapters merged layer by layer while writing) are the same model
+    from align_pipeline.model.hf_export import export_hf
+
+    exported = {}
+    for name, run in (("tp1", straight), ("tp2", tp2)):
+        export_hf(run["model_dir"], tmp_path / f"hf_{name}")
+        exported[name] = load_file(str(tmp_path / f"hf_{name}" / "model.safetensors"))
+    assert exported["tp1"].keys() == exported["tp2"].keys()
+    for key, value in exported["tp1"].items():
+        assert np.abs(value - exported["tp2"][key]).max() < 1e-4, key
 
 
 def test_lora_resume_is_exact(data, base, straight, tmp_path):

@@ -21,9 +21,11 @@ the ``kedro run`` ends (success or failure); each worker then exits: 0, or 1 aft
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -58,33 +60,42 @@ def board(launch: LaunchConfig):
     return _BOARDS[key][0]
 
 
-def rdzv_args(launch: LaunchConfig, run_dir: Path) -> list[str]:
-    """torchrun's c10d rendezvous arguments of a multi-node job."""
+def rdzv_args(launch: LaunchConfig, run_dir: Path, run_id: str | None = None) -> list[str]:
+    """torchrun's c10d rendezvous arguments of a multi-node job (``run_id``: as node 0 computed it)."""
     from align_pipeline.launch.slurm import rdzv_id
 
     return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{launch.master_addr}:{launch.master_port + 1}",
-            "--rdzv-id", rdzv_id(run_dir)]
+            "--rdzv-id", run_id or rdzv_id(run_dir)]
 
 
 def post(launch: LaunchConfig, module: str, config_path: Path, env: dict[str, str] | None) -> int:
-    """Put a job on the board; returns its number."""
+    """Put a job on the board (with the active MLflow run, so rank 0 logs into it on whichever node it lands, and
+    the rendezvous id); returns its number."""
+    from align_pipeline.launch.slurm import rdzv_id
+    from align_pipeline.tracking.mlflow_logger import child_run_env
+
     store = board(launch)
     entry = _BOARDS[(launch.master_addr, launch.master_port)]
     n, entry[1] = entry[1], entry[1] + 1
+    job_env = {**child_run_env(), **{k: str(v) for k, v in (env or {}).items()}}
     store.set(f"job/{n}", json.dumps({"module": module, "config": str(config_path), "launch": to_dict(launch),
-                                      "env": {k: str(v) for k, v in (env or {}).items()}}))
+                                      "env": job_env, "rdzv_id": rdzv_id(config_path.parent)}))
     return n
 
 
-def worker_failures(launch: LaunchConfig, n: int) -> list[dict[str, Any]]:
-    """The failed statuses workers posted for job ``n`` so far."""
+def worker_failures(launch: LaunchConfig, n: int, wait_s: float = 0.0) -> list[dict[str, Any]]:
+    """The failed statuses workers posted for job ``n``: those posted so far, or, with ``wait_s``, after waiting
+    up to that long for every worker's (``nnodes - 1``)."""
     store = board(launch)
-    out = []
-    for key in _status_keys(store, n):
-        status = json.loads(store.get(key))
-        if not status["ok"]:
-            out.append(status)
-    return out
+    deadline = time.monotonic() + wait_s
+    keys = _status_keys(store, n)
+    while len(keys) < launch.nnodes - 1 and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        keys = _status_keys(store, n)
+    if wait_s and len(keys) < launch.nnodes - 1:
+        logger.warning("job %d: %d of %d worker node(s) reported within %.0f s", n, len(keys), launch.nnodes - 1,
+                       wait_s)
+    return [status for status in (json.loads(store.get(key)) for key in keys) if not status["ok"]]
 
 
 def _status_keys(store, n: int) -> list[str]:
@@ -137,6 +148,11 @@ def run_worker(master_addr: str, master_port: int, connect_timeout_s: float = 60
     from align_pipeline.launch.torchrun import WORKER_MODULE, build_env, resolve_backend, terminate_tree
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    def stop(signum, frame):  # kill / a scheduler's stop: raise, so the running torchrun is stopped too
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
     store = _store(master_addr, master_port, host=False, timeout_s=connect_timeout_s)
     me = f"{socket.gethostname()}:{os.getpid()}"
     logger.info("worker %s: joined the job board at %s:%d", me, master_addr, master_port)
@@ -151,7 +167,8 @@ def run_worker(master_addr: str, master_port: int, connect_timeout_s: float = 60
             logger.info("worker %s: node 0 finished; exiting (%s)", me, "a job failed" if failed else "ok")
             return 1 if failed else 0
         job = json.loads(store.get(key))
-        launch = from_dict(LaunchConfig, job["launch"], "job launch")
+        # the rendezvous host is node 0 as this worker reaches it (node 0's own config may say 127.0.0.1)
+        launch = dataclasses.replace(from_dict(LaunchConfig, job["launch"], "job launch"), master_addr=master_addr)
         config_path = Path(job["config"])
         log_dir = config_path.parent / "logs"
         if not config_path.is_file():
@@ -160,7 +177,8 @@ def run_worker(master_addr: str, master_port: int, connect_timeout_s: float = 60
             ok = False
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(launch.nnodes),
-                   "--nproc-per-node", str(launch.nproc_per_node), *rdzv_args(launch, config_path.parent),
+                   "--nproc-per-node", str(launch.nproc_per_node),
+                   *rdzv_args(launch, config_path.parent, job.get("rdzv_id")),
                    "--max-restarts", "0", "-m", WORKER_MODULE, str(log_dir), job["module"], "--config",
                    str(config_path)]
             env = build_env(launch, resolve_backend(launch.dist_backend), job["env"])
@@ -179,8 +197,13 @@ def run_worker(master_addr: str, master_port: int, connect_timeout_s: float = 60
                     raise
             ok = proc.returncode == 0
             message = "" if ok else f"torchrun on {me} exited with code {proc.returncode} (logs: {log_dir})"
-        i = int(store.add(f"status_count/{n}", 1)) - 1
-        store.set(f"status/{n}/{i}", json.dumps({"ok": ok, "node": me, "message": message}))
         failed |= not ok
+        try:
+            i = int(store.add(f"status_count/{n}", 1)) - 1
+            store.set(f"status/{n}/{i}", json.dumps({"ok": ok, "node": me, "message": message}))
+        except Exception as exc:  # noqa: BLE001 - node 0 already ended its run (and closed the board)
+            logger.info("worker %s: job %d %s; node 0's board is gone (%s); exiting", me, n,
+                        "finished" if ok else "failed", exc)
+            return 1 if failed else 0
         logger.info("worker %s: job %d %s", me, n, "finished" if ok else f"failed: {message}")
         n += 1

@@ -52,7 +52,8 @@ def job_script(module: str, config_path: Path, launch: LaunchConfig, log_dir: Pa
     s = launch.slurm
     name = "align-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
     options = [f"--job-name={name}", f"--nodes={launch.nnodes}", "--ntasks-per-node=1",
-               f"--output={log_dir / 'torchrun.log'}", "--open-mode=append"]
+               f"--output={log_dir / 'torchrun.log'}", "--open-mode=append",
+               "--no-requeue"]  # a preempted / failed-node job ends: the launcher reports it, a rerun resumes
     options += [f"--{key.replace('_', '-')}={value}" for key, value in
                 (("partition", s.partition), ("account", s.account), ("time", s.time),
                  ("gpus_per_node", s.gpus_per_node), ("cpus_per_task", s.cpus_per_task)) if value is not None]
@@ -70,7 +71,8 @@ def job_script(module: str, config_path: Path, launch: LaunchConfig, log_dir: Pa
         *(f"#SBATCH {shlex.quote(option)}" for option in options),
         "set -euo pipefail",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"srun --kill-on-bad-exit=1 --nodes={launch.nnodes} --ntasks-per-node=1 " + " ".join(torchrun),
+        f"srun --kill-on-bad-exit=1 --nodes={launch.nnodes} --ntasks={launch.nnodes} --ntasks-per-node=1 "
+        + (f"--cpus-per-task={s.cpus_per_task} " if s.cpus_per_task else "") + " ".join(torchrun),
         "",
     ])  # fmt: skip
 
@@ -96,14 +98,25 @@ def submit(script: Path, env: dict[str, str]) -> str:
     return _run(["sbatch", "--parsable", str(script)], env).split(";")[0]
 
 
-def job_state(job_id: str, env: dict[str, str]) -> tuple[str, int | None, str]:
-    """(state, exit code or None while running, reason) of a job from ``scontrol show job``."""
-    try:
-        text = _run(["scontrol", "show", "job", "-o", job_id], env)
-    except SlurmError as exc:
-        if "Invalid job id" in str(exc):
-            return "GONE", None, "purged from slurmctld"
-        raise
+QUERY_RETRY_S = 300.0
+"""How long ``scontrol`` may keep failing (a busy or restarting controller) before the launcher gives up."""
+
+
+def job_state(job_id: str, env: dict[str, str], retry_s: float = QUERY_RETRY_S) -> tuple[str, int | None, str]:
+    """(state, exit code or None while running, reason) of a job from ``scontrol show job``; a failing query is
+    retried for ``retry_s`` seconds (then :class:`SlurmError`)."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            text = _run(["scontrol", "show", "job", "-o", job_id], env)
+            break
+        except SlurmError as exc:
+            if "Invalid job id" in str(exc):
+                return "GONE", None, "purged from slurmctld"
+            if time.monotonic() >= deadline:
+                raise
+            logger.warning("Slurm job %s: state query failed (%s); retrying", job_id, exc)
+            time.sleep(5.0)
     fields = dict(item.split("=", 1) for item in text.split() if "=" in item)
     state = fields.get("JobState", "UNKNOWN")
     code, _, sig = fields.get("ExitCode", "0:0").partition(":")
@@ -112,21 +125,28 @@ def job_state(job_id: str, env: dict[str, str]) -> tuple[str, int | None, str]:
 
 
 def cancel(job_id: str, env: dict[str, str], label: str) -> None:
-    """``scancel`` the job and wait until Slurm has ended it (at most :data:`CANCEL_WAIT_S`)."""
+    """``scancel`` the job and wait until Slurm has ended it (at most :data:`CANCEL_WAIT_S`); never raises (it runs
+    while another exception is on its way), but says so when the end could not be confirmed."""
     logger.warning("%s: cancelling Slurm job %s", label, job_id)
-    subprocess.run(["scancel", job_id], env=env, capture_output=True, check=False, timeout=60)
-    deadline = time.monotonic() + CANCEL_WAIT_S
-    while time.monotonic() < deadline:
-        state, _, _ = job_state(job_id, env)
-        if state in _ENDED or state == "GONE":
-            return
-        time.sleep(0.5)
-    logger.warning("%s: Slurm job %s still %s after %.0f s", label, job_id, state, CANCEL_WAIT_S)
+    state = "unknown"
+    try:
+        subprocess.run(["scancel", job_id], env=env, capture_output=True, check=False, timeout=60)
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while time.monotonic() < deadline:
+            state, _, _ = job_state(job_id, env, retry_s=10.0)
+            if state in _ENDED or state == "GONE":
+                return
+            time.sleep(0.5)
+    except Exception as exc:  # noqa: BLE001 - report, do not mask the exception being handled
+        state = f"unknown ({exc})"
+    logger.error("%s: could not confirm that Slurm job %s ended (state %s): check `squeue -j %s` and scancel it",
+                 label, job_id, state, job_id)
 
 
-def wait(job_id: str, env: dict[str, str], launch: LaunchConfig, label: str, pump) -> int:
-    """Poll the job until it ends, calling ``pump()`` (the log follower) in between; returns its exit code.
-    Any exception (Ctrl-C, SIGTERM turned into one) cancels the job first."""
+def wait(job_id: str, env: dict[str, str], launch: LaunchConfig, label: str, pump) -> tuple[int, str]:
+    """Poll the job until it ends, calling ``pump()`` (the log follower) in between; returns (its exit code, how
+    it ended: "" when it completed, else e.g. "Slurm job 12 ended TIMEOUT (reason)"). Any exception (Ctrl-C,
+    SIGTERM turned into one, Slurm unreachable) cancels the job first."""
     shown = ""
     try:
         while True:
@@ -135,9 +155,11 @@ def wait(job_id: str, env: dict[str, str], launch: LaunchConfig, label: str, pum
             if state == "GONE":
                 raise SlurmError(f"Slurm job {job_id} left slurmctld's records before its end was seen")
             if state in _ENDED:
-                if state != "COMPLETED" and not exit_code:
-                    exit_code = 1  # e.g. CANCELLED by someone else, TIMEOUT: a failure even with ExitCode 0:0
-                return int(exit_code or 0)
+                if state == "COMPLETED":
+                    return int(exit_code or 0), ""
+                why = f" ({reason})" if reason and reason != "None" else ""
+                # CANCELLED by someone else, TIMEOUT, NODE_FAIL...: a failure even with ExitCode 0:0
+                return int(exit_code or 1), f"Slurm job {job_id} ended {state}{why}"
             if state != shown:
                 logger.info("%s: Slurm job %s %s%s", label, job_id, state.lower(),
                             f" ({reason})" if reason and reason != "None" else "")
@@ -146,12 +168,6 @@ def wait(job_id: str, env: dict[str, str], launch: LaunchConfig, label: str, pum
     except BaseException:
         cancel(job_id, env, label)
         raise
-
-
-def start_in_allocation(script: Path, env: dict[str, str], agent_log) -> subprocess.Popen:
-    """Run the script as a step of the current allocation (its ``#SBATCH`` lines are comments to bash)."""
-    return subprocess.Popen(["bash", str(script)], env=env, stdin=subprocess.DEVNULL, stdout=agent_log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def describe(launch: LaunchConfig, env: dict[str, str]) -> str:

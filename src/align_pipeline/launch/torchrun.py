@@ -240,6 +240,11 @@ def visible_gpus() -> int:
 
 def _as_launch_config(launch: LaunchConfig | Mapping[str, Any]) -> LaunchConfig:
     launch = launch if isinstance(launch, LaunchConfig) else from_dict(LaunchConfig, dict(launch))
+    on_slurm = launch.backend == "slurm"
+    if launch.nproc_per_node == "gpus" and on_slurm:  # the job's nodes, not this (login) machine
+        if not launch.slurm.gpus_per_node:
+            raise ValueError("launch.nproc_per_node=gpus with backend slurm needs launch.slurm.gpus_per_node")
+        launch = dataclasses.replace(launch, nproc_per_node=launch.slurm.gpus_per_node)
     if launch.nproc_per_node == "gpus":
         gpus = visible_gpus()
         if gpus == 0:
@@ -249,7 +254,7 @@ def _as_launch_config(launch: LaunchConfig | Mapping[str, Any]) -> LaunchConfig:
         raise ValueError(f"nproc_per_node and nnodes must be >= 1, got {launch.nproc_per_node}, {launch.nnodes}")
     if not 0 <= launch.node_rank < launch.nnodes:
         raise ValueError(f"node_rank must be in [0, {launch.nnodes}), got {launch.node_rank}")
-    if launch.nnodes > 1 and launch.master_port == 0:
+    if launch.nnodes > 1 and launch.master_port == 0 and not on_slurm:
         raise ValueError("multi-node jobs need an explicit master_port (0 = pick a free one works on one node only)")
     return launch
 
@@ -605,11 +610,11 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
     config_path.write_text(json.dumps(config, indent=2, default=str))
 
     on_slurm = launch.backend == "slurm"
-    if on_slurm and launch.dist_backend == "auto":  # the job's nodes, not this machine, decide
-        backend = "nccl" if launch.slurm.gpus_per_node else "gloo"
-    else:
-        backend = resolve_backend(launch.dist_backend)
+    # auto under Slurm: each rank decides on its node (nccl where it sees CUDA; train/core/distributed.py)
+    backend = "auto" if on_slurm and launch.dist_backend == "auto" else resolve_backend(launch.dist_backend)
     job_env = build_env(launch, backend, env)
+    if backend == "auto":
+        job_env.pop("ALIGN_BACKEND", None)
     job_env["ALIGN_RUN_LOCK"] = str(run_dir / LOCK_NAME)
     if on_slurm:
         (log_dir / "torchrun.log").unlink(missing_ok=True)  # Slurm appends every node's agent output to it
@@ -639,11 +644,11 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
         logger.info("%s: submitted Slurm job %s", label, job_id)
         try:
             with _SigtermRaises():
-                returncode = slurm.wait(job_id, job_env, launch, label, follower.pump)
+                returncode, ended = slurm.wait(job_id, job_env, launch, label, follower.pump)
         finally:
             follower.pump(final=True)
             follower.close()
-        return _job_result(label, module, returncode, launch, run_dir, start, {})
+        return _job_result(label, module, returncode, launch, run_dir, start, {}, note=ended)
     proc: subprocess.Popen | None = None
     try:
         with _SigtermRaises(), open(log_dir / "torchrun.log", "wb") as agent_log:
@@ -690,6 +695,11 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
 
     if multi:
         multinode.finish(launch, job_number, ok=proc.returncode == 0)
+        failed = multinode.worker_failures(launch, job_number, wait_s=60.0) if proc.returncode == 0 else []
+        if failed:  # our ranks finished, a worker's did not (e.g. while writing its checkpoint shards)
+            message, rank, exitcode, rank_log = _failure_message(label, module, 1, log_dir, launch, watch.gone_at)
+            raise LaunchError(f"{message}\nother node(s): " + "; ".join(f["message"] for f in failed),
+                              module=module, rank=rank, exitcode=exitcode, log_path=rank_log)
     return _job_result(label, module, proc.returncode, launch, run_dir, start, watch.gone_at)
 
 
@@ -700,13 +710,18 @@ class _WorkerFailed(Exception):
 
 
 def _job_result(label: str, module: str, returncode: int, launch: LaunchConfig, run_dir: Path, start: float,
-                gone_at: Mapping[int, float]) -> dict[str, Any]:
-    """The job's ``result.json`` after it ended with ``returncode``, or the :class:`LaunchError` of its failure."""
+                gone_at: Mapping[int, float], note: str = "") -> dict[str, Any]:
+    """The job's ``result.json`` after it ended with ``returncode``, or the :class:`LaunchError` of its failure
+    (``note``: how the scheduler says it ended, put first)."""
     log_dir, result_path = run_dir / "logs", run_dir / "result.json"
     elapsed = time.monotonic() - start
     if returncode != 0:
         message, rank, exitcode, rank_log = _failure_message(label, module, returncode, log_dir, launch, gone_at)
+        message = f"{note}\n{message}" if note else message
         raise LaunchError(message, module=module, rank=rank, exitcode=exitcode, log_path=rank_log)
+    deadline = time.monotonic() + (5.0 if launch.nnodes > 1 or launch.backend == "slurm" else 0.0)
+    while not result_path.exists() and time.monotonic() < deadline:  # a shared filesystem's cache may lag
+        time.sleep(0.2)
     if not result_path.exists():
         raise LaunchError(
             f"torchrun job {label!r} (module {module}) exited 0 but rank 0 wrote no {result_path}\n"

@@ -109,6 +109,56 @@ class CheckpointTensors:
         return out
 
 
+class MergedCheckpointTensors:
+    """A LoRA artifact of adapters alone read like :class:`CheckpointTensors`: its base's tensors (the base may be
+    such an artifact itself) with ``(alpha / r) B A`` added to every adapted weight, one layer at a time. The
+    adapters are stored whole in the weights' own row order (a gated fc1's B as [gate; up], like its weight)."""
+
+    def __init__(self, path: Path, base, meta: dict[str, Any]) -> None:
+        spec = meta["lora"]
+        self.path, self.base = Path(path), base
+        self.shapes = base.shapes
+        self.adapters = CheckpointTensors(self.path / spec.get("adapters", "adapters"))
+        self.scaling = spec["alpha"] / spec["rank"]
+
+    def has(self, name: str) -> bool:
+        return self.base.has(name)
+
+    def read(self, *names: str) -> dict[str, torch.Tensor]:
+        out = self.base.read(*names)
+        for name in names:
+            if self._adapter(name) is not None:
+                out[name] = torch.stack([self.layer(name, i) for i in range(out[name].shape[0])])
+        return out
+
+    def _adapter(self, name: str) -> str | None:
+        prefix = name.removesuffix(".weight")
+        return prefix if name.endswith(".weight") and self.adapters.has(f"{prefix}.lora_A") else None
+
+    def layer(self, name: str, i: int) -> torch.Tensor:
+        weight = self.base.layer(name, i)
+        prefix = self._adapter(name)
+        if prefix is None:
+            return weight
+        a, b = self.adapters.layer(f"{prefix}.lora_A", i).float(), self.adapters.layer(f"{prefix}.lora_B", i).float()
+        return (weight.float() + (b @ a) * self.scaling).to(weight.dtype)
+
+
+def open_tensors(checkpoint: str | os.PathLike):
+    """The model tensors of a checkpoint: :class:`CheckpointTensors`, or for a LoRA artifact of adapters alone
+    :class:`MergedCheckpointTensors` over its base; None when the chain of bases ends in an HF directory (not
+    readable tensor by tensor here)."""
+    checkpoint = Path(checkpoint)
+    meta = checkpoint_meta(checkpoint)
+    if (meta.get("lora") or {}).get("storage") != "adapters":
+        return CheckpointTensors(checkpoint)
+    base = Path(meta["lora"].get("base") or "")
+    if not (base / "meta.json").is_file():
+        return None
+    inner = open_tensors(base)
+    return MergedCheckpointTensors(checkpoint, inner, meta) if inner is not None else None
+
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -426,7 +476,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     """
     checkpoint, out = Path(checkpoint), Path(out_dir)
     meta = checkpoint_meta(checkpoint)
-    if (meta.get("lora") or {}).get("storage") == "adapters":  # adapters alone: merged into their base first
+    adapters_only = (meta.get("lora") or {}).get("storage") == "adapters"
+    if adapters_only and open_tensors(checkpoint) is None:  # adapters on an HF directory: merged by a job first
         if out.exists():
             raise HFExportError(f"{out} exists; export into a new directory")
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -445,7 +496,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     family = family_of(model)
     if out.exists():
         raise HFExportError(f"{out} exists; export into a new directory")
-    ckpt = CheckpointTensors(checkpoint)
+    ckpt = open_tensors(checkpoint)  # adapters alone on a checkpoint base: merged layer by layer while writing
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

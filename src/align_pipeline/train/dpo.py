@@ -74,10 +74,12 @@ def preference_loss(lc: PreferenceLossConfig, vocab_size: int, tp_rank: int, log
         model = module if reference is lora.disabled else reference
         training = model.training
         with torch.no_grad(), (lora.disabled(model) if reference is lora.disabled else contextlib.nullcontext()):
-            model.eval()
-            output, nll = nll_forward(model, ids, labels, batch)
-            chosen, rejected = (-per_sequence_sum(nll(output) * mask, batch)).chunk(2)
-            model.train(training)
+            model.eval()  # no dropout: the reference is the frozen model
+            try:
+                output, nll = nll_forward(model, ids, labels, batch)
+                chosen, rejected = (-per_sequence_sum(nll(output) * mask, batch)).chunk(2)
+            finally:
+                model.train(training)
         return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
 
     def forward_loss(module, batch):
