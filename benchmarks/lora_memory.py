@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from dpo_vs_trl import make_pref_data
-from sft_scaling import header_lines, make_copy_data, run_header
+from sft_scaling import header_lines, make_copy_data, run_header, write_report
 
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
@@ -165,10 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["rows"].append(summarize(f"DPO {label}", name, "dpo", run_job("align_pipeline.train.dpo", job,
                                                                                   run_dir), args.warmup))
             print(json.dumps(report["rows"][-1]), flush=True)
-    (out / "lora_memory.json").write_text(json.dumps(report, indent=1))
-    (out / "lora_memory.md").write_text(markdown(report))
-    print(markdown(report), flush=True)
-    return report
+    return write_report(out, "lora_memory", report, markdown(report))
 
 
 def reference_logps(base: Path, pref: dict[str, str], run_dir: Path, parallel, args: argparse.Namespace) -> str:

@@ -218,12 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         failures.append(f"{lay} checkpoint at TP=1 PP=1: val loss {at_1:.5f} vs {r['val_loss']:.5f}")
     report = {**run_header(), "preset": args.preset, "parameters": params,
               "precision": "bf16" if bf16 else "fp32", "settings": vars(args), "rows": rows, "failures": failures}
-    (out / "scaling.json").write_text(json.dumps(report, indent=2))
-    (out / "scaling.md").write_text(markdown(report))
-    print(markdown(report), flush=True)
-    for f in failures:
-        print(f"[scaling] FAILED: {f}", flush=True)
-    return report
+    return write_report(out, "scaling", report, markdown(report))
 
 
 def bench_setup(args: argparse.Namespace) -> tuple[Path, bool, bool, dict[str, int]]:
@@ -242,6 +237,17 @@ def copy_task_and_init(out: Path, preset: dict[str, int], args: argparse.Namespa
     data = make_copy_data(out / "data", preset["vocab_size"], preset["seq_length"], n=min(rows, 4096), seed=args.seed)
     hf_dir, params = make_hf_init(out / "hf_init", preset, args.seed)
     return data, hf_dir, params
+
+
+def write_report(out: Path, stem: str, report: dict[str, Any], text: str) -> dict[str, Any]:
+    """``<out>/<stem>.json`` (the report) and ``<out>/<stem>.md`` (``text``, also printed), then each of the
+    report's ``failures`` on its own line; returns the report."""
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    (out / f"{stem}.md").write_text(text)
+    print(text, flush=True)
+    for f in report.get("failures", []):
+        print(f"[{stem}] FAILED: {f}", flush=True)
+    return report
 
 
 def run_header(extra_versions: dict[str, str] | None = None) -> dict[str, Any]:

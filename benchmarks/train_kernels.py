@@ -49,6 +49,7 @@ from sft_scaling import (  # benchmarks/ is on the path (above)
     run_header,
     sft_job,
     steady_tokens_per_s,
+    write_report,
 )
 
 
@@ -328,12 +329,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             failures.append(f"{r['variant']}: loss curve differs from {reference['variant']} by {r['max_loss_diff']:.2e}")
     report = {**run_header(), "preset": args.preset, "parameters": params,
               "flops_per_token": fpt, "settings": vars(args), "micro": micro, "rows": rows, "failures": failures}
-    (out / "kernels.json").write_text(json.dumps(report, indent=2))
-    (out / "kernels.md").write_text(markdown(report))
-    print(markdown(report), flush=True)
-    for f in failures:
-        print(f"[kernels] FAILED: {f}", flush=True)
-    return report
+    return write_report(out, "kernels", report, markdown(report))
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -78,28 +78,21 @@ def test_lora_tp2_equals_tp1(data, base, straight, tmp_path):
                           parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}), nproc=2)
     assert_close(losses(tp2), losses(straight), tol=2e-5)
     assert abs(tp2["val_loss"] - straight["val_loss"]) < 2e-5
-    # the adapters saved at TP=2 are the TP=1 ones, in the same (whole-tensor) layout: gated fc1's B too
+    # the adapters saved at TP=2 are the TP=1 ones, in the same (whole-tensor) layout: gated fc1's B too; and the HF
+    # exports (base + adapters merged layer by layer while writing) are the same model
     from safetensors.numpy import load_file
 
-    from align_pipeline.model.hf_export import export_peft
+    from align_pipeline.model.hf_export import export_hf, export_peft
 
-    adapters = {}
-    for name, run in (("tp1", straight), ("tp2", tp2)):
-        export_peft(run["model_dir"], tmp_path / f"peft_{name}")
-        adapters[name] = load_file(str(tmp_path / f"peft_{name}" / "adapter_model.safetensors"))
-    assert adapters["tp1"].keys() == adapters["tp2"].keys()
-    for key, value in adapters["tp1"].items():
-        assert np.abs(value - adapters["tp2"][key]).max() < 1e-4, key
-    # and the HF exports (base + adapters merged layer by layer while writing) are the same model
-    from align_pipeline.model.hf_export import export_hf
-
-    exported = {}
-    for name, run in (("tp1", straight), ("tp2", tp2)):
-        export_hf(run["model_dir"], tmp_path / f"hf_{name}")
-        exported[name] = load_file(str(tmp_path / f"hf_{name}" / "model.safetensors"))
-    assert exported["tp1"].keys() == exported["tp2"].keys()
-    for key, value in exported["tp1"].items():
-        assert np.abs(value - exported["tp2"][key]).max() < 1e-4, key
+    for export, name, filename in ((export_peft, "peft", "adapter_model.safetensors"),
+                                   (export_hf, "hf", "model.safetensors")):
+        tensors = {}
+        for layout, run in (("tp1", straight), ("tp2", tp2)):
+            export(run["model_dir"], tmp_path / f"{name}_{layout}")
+            tensors[layout] = load_file(str(tmp_path / f"{name}_{layout}" / filename))
+        assert tensors["tp1"].keys() == tensors["tp2"].keys(), name
+        for key, value in tensors["tp1"].items():
+            assert np.abs(value - tensors["tp2"][key]).max() < 1e-4, (name, key)
 
 
 def test_lora_resume_is_exact(data, base, straight, tmp_path):

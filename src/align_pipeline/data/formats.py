@@ -222,6 +222,12 @@ def checkpoint_meta(path: PathLike) -> dict[str, Any]:
     return json.loads(meta_path.read_text())
 
 
+def lora_adapters_only(meta: dict[str, Any]) -> bool:
+    """Whether a model checkpoint's meta describes a LoRA artifact that holds its adapters alone (merged into its
+    base, ``meta["lora"]["base"]``, by whoever loads it)."""
+    return (meta.get("lora") or {}).get("storage") == "adapters"
+
+
 def content_fingerprint(path: PathLike) -> str:
     """Recompute the fingerprint of an npz or jsonl artifact from its content."""
     if os.fspath(path).endswith(".npz"):

@@ -639,6 +639,7 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
 
     watch = _RankWatch(log_dir)
     start = time.monotonic()
+    failed: list[dict[str, Any]] = []  # multi-node: the workers' failed statuses
     if on_slurm and not slurm.inside_allocation(job_env):  # sbatch: Slurm runs it; we follow its logs
         job_id = slurm.submit(script, job_env)
         logger.info("%s: submitted Slurm job %s", label, job_id)
@@ -668,17 +669,11 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
                 if multi and time.monotonic() >= next_check:
                     next_check = time.monotonic() + 0.5
                     failed = multinode.worker_failures(launch, job_number)
-                    if failed:
-                        raise _WorkerFailed(failed)
+                    if failed:  # another node's job failed: stop ours, report the failing rank from the logs
+                        terminate_tree(proc)
+                        break
                 time.sleep(_POLL_S)
             follower.pump(final=True)
-    except _WorkerFailed as exc:  # another node's job failed: stop ours, report the failing rank from the logs
-        follower.close()
-        terminate_tree(proc)
-        multinode.finish(launch, job_number, ok=False)
-        message, rank, exitcode, rank_log = _failure_message(label, module, 1, log_dir, launch, watch.gone_at)
-        raise LaunchError(f"{message}\nother node(s): " + "; ".join(f["message"] for f in exc.failures),
-                          module=module, rank=rank, exitcode=exitcode, log_path=rank_log) from None
     except BaseException as exc:
         if multi:
             multinode.finish(launch, job_number, ok=False)
@@ -693,20 +688,15 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
             terminate_tree(proc)
         raise
 
+    note = ""
     if multi:
-        multinode.finish(launch, job_number, ok=proc.returncode == 0)
-        failed = multinode.worker_failures(launch, job_number, wait_s=60.0) if proc.returncode == 0 else []
-        if failed:  # our ranks finished, a worker's did not (e.g. while writing its checkpoint shards)
-            message, rank, exitcode, rank_log = _failure_message(label, module, 1, log_dir, launch, watch.gone_at)
-            raise LaunchError(f"{message}\nother node(s): " + "; ".join(f["message"] for f in failed),
-                              module=module, rank=rank, exitcode=exitcode, log_path=rank_log)
-    return _job_result(label, module, proc.returncode, launch, run_dir, start, watch.gone_at)
-
-
-class _WorkerFailed(Exception):
-    def __init__(self, failures: list[dict[str, Any]]) -> None:
-        super().__init__("a worker node's job failed")
-        self.failures = failures
+        ok = proc.returncode == 0 and not failed
+        multinode.finish(launch, job_number, ok=ok)
+        if ok:  # our ranks finished; did every worker's (e.g. while writing its checkpoint shards)?
+            failed = multinode.worker_failures(launch, job_number, wait_s=60.0)
+        note = "other node(s): " + "; ".join(f["message"] for f in failed) if failed else ""
+    return _job_result(label, module, 1 if failed else proc.returncode, launch, run_dir, start, watch.gone_at,
+                       note=note)
 
 
 def _job_result(label: str, module: str, returncode: int, launch: LaunchConfig, run_dir: Path, start: float,

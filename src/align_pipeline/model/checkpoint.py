@@ -30,7 +30,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from align_pipeline.data.formats import CHECKPOINT_META as META_FILE
 from align_pipeline.data.formats import checkpoint_meta as read_meta
-from align_pipeline.data.formats import is_checkpoint
+from align_pipeline.data.formats import is_checkpoint, lora_adapters_only
 from align_pipeline.model import lora, memory
 from align_pipeline.model.gpt import unwrap
 
@@ -143,11 +143,6 @@ def save_model(path: str | os.PathLike, model, meta: dict[str, Any], adapters_on
     return _atomic_dir_write(Path(path), write, meta)
 
 
-def adapters_only(meta: dict[str, Any]) -> bool:
-    """Whether a model checkpoint's meta describes a LoRA artifact that holds its adapters alone."""
-    return (meta.get("lora") or {}).get("storage") == "adapters"
-
-
 def merge_stored_adapters(path: str | os.PathLike, model) -> None:
     """Add the adapters of the checkpoint at ``path`` (its ``adapters/``) into ``model``'s base weights, in place:
     ``W += (alpha / r) B A`` on this rank's shard of every adapted linear (any TP/PP layout: the adapters are read
@@ -191,7 +186,7 @@ def load_model(path: str | os.PathLike, model) -> dict[str, Any]:
     Returns the checkpoint's meta.
     """
     meta = read_meta(path)
-    if adapters_only(meta):
+    if lora_adapters_only(meta):
         raise ValueError(f"{path} holds LoRA adapters only (base: {meta['lora'].get('base')}); load it through "
                          "align_pipeline.model.init.resolve, which merges them into their base")
     inner = unwrap(model)

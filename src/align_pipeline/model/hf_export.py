@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from align_pipeline.config import ModelConfig, from_dict
-from align_pipeline.data.formats import checkpoint_meta
+from align_pipeline.data.formats import checkpoint_meta, lora_adapters_only
 from align_pipeline.model import rope
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -150,7 +150,7 @@ def open_tensors(checkpoint: str | os.PathLike):
     readable tensor by tensor here)."""
     checkpoint = Path(checkpoint)
     meta = checkpoint_meta(checkpoint)
-    if (meta.get("lora") or {}).get("storage") != "adapters":
+    if not lora_adapters_only(meta):
         return CheckpointTensors(checkpoint)
     base = Path(meta["lora"].get("base") or "")
     if not (base / "meta.json").is_file():
@@ -476,17 +476,17 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     """
     checkpoint, out = Path(checkpoint), Path(out_dir)
     meta = checkpoint_meta(checkpoint)
-    adapters_only = (meta.get("lora") or {}).get("storage") == "adapters"
-    if adapters_only and open_tensors(checkpoint) is None:  # adapters on an HF directory: merged by a job first
+    if meta.get("kind") != "model":
+        raise HFExportError(f"{checkpoint} is a {meta.get('kind')!r} checkpoint; export a model checkpoint (the "
+                            "stage's artifact, or <run_dir>/<model>/model)")
+    ckpt = open_tensors(checkpoint)  # adapters alone on a checkpoint base: merged layer by layer while writing
+    if ckpt is None:  # adapters on an HF directory: merged into it by a job first
         if out.exists():
             raise HFExportError(f"{out} exists; export into a new directory")
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".merge-{out.name}-", dir=out.parent) as work:
             merged = materialize(checkpoint, Path(work) / "merged", Path(work) / "job")
             return export_hf(merged, out, tokenizer, dtype, max_shard_bytes, progress)
-    if meta.get("kind") != "model":
-        raise HFExportError(f"{checkpoint} is a {meta.get('kind')!r} checkpoint; export a model checkpoint (the "
-                            "stage's artifact, or <run_dir>/<model>/model)")
     head = meta.get("head", "lm")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
@@ -496,7 +496,6 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     family = family_of(model)
     if out.exists():
         raise HFExportError(f"{out} exists; export into a new directory")
-    ckpt = open_tensors(checkpoint)  # adapters alone on a checkpoint base: merged layer by layer while writing
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from align_pipeline.config import ModelConfig, from_dict
+from align_pipeline.data.formats import lora_adapters_only
 from align_pipeline.model import checkpoint
 
 
@@ -50,7 +51,7 @@ def resolve(init_from: str | None, model: ModelConfig, tokenizer_vocab_size: int
         # Keep run-time choices (attention kernel) from the current config; the architecture is the checkpoint's.
         ckpt_model = dataclasses.replace(ckpt_model, attention_backend=model.attention_backend)
         load = functools.partial(checkpoint.load_model, path)
-        if checkpoint.adapters_only(meta):  # LoRA adapters alone: the base's weights, then the adapters merged in
+        if lora_adapters_only(meta):  # LoRA adapters alone: the base's weights, then the adapters merged in
             base = meta["lora"].get("base")
             if not base or not Path(base).exists():
                 raise FileNotFoundError(f"{path} holds LoRA adapters for the base {base!r}, which is gone; keep "

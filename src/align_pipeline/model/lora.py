@@ -201,6 +201,19 @@ def disabled(model: torch.nn.Module):
             m.lora_enabled = True
 
 
+@contextlib.contextmanager
+def as_reference(model: torch.nn.Module):
+    """The base model as a frozen reference inside the block: adapters off (:func:`disabled`) and eval mode (no
+    dropout, as a separately loaded reference model runs), both restored after."""
+    training = model.training
+    with disabled(model):
+        model.eval()
+        try:
+            yield model
+        finally:
+            model.train(training)
+
+
 def describe(model: torch.nn.Module) -> dict | None:
     """The adapters of a model as checkpoint meta (None without adapters): rank, alpha, dropout, target modules."""
     linears = adapted_linears(model)

@@ -50,17 +50,19 @@ def with_reference(arrays: dict[str, np.ndarray], ref, split: str) -> dict[str, 
 
 
 def online_reference(job: DPOJob, source, dist):
-    """``dpo.reference: online``: the model whose log-probs are the reference, or ``lora.disabled`` (the policy with
-    its LoRA adapters off: the policy starts from the reference); None for cached reference log-probs."""
+    """``dpo.reference: online``: (policy module) -> a context yielding the reference model: the policy itself with
+    its LoRA adapters off (:func:`align_pipeline.model.lora.as_reference`; the policy starts from the reference), or
+    a frozen copy of the reference; None for cached reference log-probs."""
     if job.dpo.reference != "online":
         return None
     reference = job.paths.reference or job.paths.init_from
     if job.dpo.lora.rank and Path(reference).resolve() == Path(job.paths.init_from).resolve():
         log(dist, "[dpo] reference: the policy with its LoRA adapters off (no second copy of the weights)")
-        return lora.disabled
+        return lora.as_reference
     log(dist, f"[dpo] reference: a frozen copy of {reference} beside the policy")
     run_time = ModelConfig(attention_backend=job.model.attention_backend)
-    return build_frozen(init.resolve(reference, run_time, source.vocab_size), job.parallel, dist)
+    frozen = build_frozen(init.resolve(reference, run_time, source.vocab_size), job.parallel, dist)
+    return lambda module: contextlib.nullcontext(frozen)
 
 
 def preference_loss(lc: PreferenceLossConfig, vocab_size: int, tp_rank: int, logits_chunk: int = 0, reference=None):
@@ -71,15 +73,9 @@ def preference_loss(lc: PreferenceLossConfig, vocab_size: int, tp_rank: int, log
     nll_forward = lm_token_nll_forward(vocab_size, tp_rank, logits_chunk)
 
     def reference_logps(module, ids, labels, mask, batch) -> dict[str, torch.Tensor]:
-        model = module if reference is lora.disabled else reference
-        training = model.training
-        with torch.no_grad(), (lora.disabled(model) if reference is lora.disabled else contextlib.nullcontext()):
-            model.eval()  # no dropout: the reference is the frozen model
-            try:
-                output, nll = nll_forward(model, ids, labels, batch)
-                chosen, rejected = (-per_sequence_sum(nll(output) * mask, batch)).chunk(2)
-            finally:
-                model.train(training)
+        with torch.no_grad(), reference(module) as model:
+            output, nll = nll_forward(model, ids, labels, batch)
+            chosen, rejected = (-per_sequence_sum(nll(output) * mask, batch)).chunk(2)
         return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
 
     def forward_loss(module, batch):

@@ -195,13 +195,8 @@ def reference_logprobs(reference, policy, rows: dict, vocab_size: int, micro_bat
     :func:`load_judges`), of the LoRA ``policy`` with its adapters off."""
     if reference is not None:
         return token_logprobs(reference, rows, vocab_size, micro_batch_size, dist)
-    training = policy.training
-    with lora.disabled(policy):
-        policy.eval()  # no dropout: the reference is the frozen base, as a separate reference model would be
-        try:
-            return token_logprobs(policy, rows, vocab_size, micro_batch_size, dist)
-        finally:
-            policy.train(training)
+    with lora.as_reference(policy):
+        return token_logprobs(policy, rows, vocab_size, micro_batch_size, dist)
 
 
 def token_values(model, rows: dict, micro_batch_size: int, dist: Dist) -> torch.Tensor:
