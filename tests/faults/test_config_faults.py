@@ -81,3 +81,45 @@ def test_bad_layout_fails_before_any_node(project, fault):
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     experiments = client.search_experiments()
     assert not client.search_runs([e.experiment_id for e in experiments])  # no parent run, no child run
+
+
+RANGE_FAULTS = {  # --params overrides (as `kedro run --params` passes them) -> the pipeline run and its one line
+    "ppo-clip-eps": ("ppo", {"ppo": {"loss": {"clip_eps": -1}}},
+                     r"^params:ppo\.loss\.clip_eps=-1\.0 must be in \(0, 1\)$"),
+    "ppo-kl-beta": ("ppo", {"ppo": {"kl": {"beta": -0.05}}}, r"^params:ppo\.kl\.beta=-0\.05 must be >= 0$"),
+    "reinforce-lr": ("reinforce", {"reinforce": {"optimizer": {"lr": 0}}},
+                     r"^params:reinforce\.optimizer\.lr=0\.0 must be > 0$"),
+    "reinforce-top-p": ("reinforce", {"reinforce": {"generation": {"top_p": 1.5}}},
+                        (r"^params:reinforce\.generation: need temperature >= 0 \(got 1\.0\) and 0 < top_p <= 1 "
+                         r"\(got 1\.5\)$")),
+    "reinforce-k1": ("reinforce", {"reinforce": {"kl": {"estimator": "k1"}}},
+                     (r"^params:reinforce\.kl\.estimator=k1: REINFORCE adds beta x KL to the loss, and k1's gradient "
+                      r"is zero in expectation as a loss term; use k3 \(or k2\)$")),
+    "dpo-beta": ("dpo", {"dpo": {"loss": {"beta": 0}}}, r"^params:dpo\.loss\.beta=0\.0 must be > 0$"),
+    "slurm-partition-newline": ("sft", {"launch": {"backend": "slurm", "slurm": {"partition": "gpu\ntouch /tmp/x"}}},
+                                (r"^params:launch\.slurm\.partition contains a newline; Slurm fields must be one "
+                                 r"line$")),
+}
+
+
+@pytest.mark.parametrize("fault", RANGE_FAULTS, ids=list(RANGE_FAULTS))
+def test_a_bad_range_fails_before_any_node_naming_the_key(project, fault):
+    """Ranges that the torchrun job used to find first (PPOLossConfig / KLConfig in the losses), the k1 refusal and
+    the Slurm fields: one ConfigError line in ParamsValidationHook; no run directory, no rank log, no MLflow run."""
+    from kedro.framework.session import KedroSession
+    from kedro.framework.startup import bootstrap_project
+    from mlflow import MlflowClient
+
+    from align_pipeline.config import ConfigError
+
+    pipeline, params, message = RANGE_FAULTS[fault]
+    bootstrap_project(project)
+    with (KedroSession.create(project_path=project, env="test", runtime_params=params) as session,
+          pytest.raises(ConfigError, match=message)):
+        session.run(pipeline_names=[pipeline])
+
+    assert not (project / "data" / "06_models" / "_runs").exists()
+    assert not list(project.rglob("rank*.log")) and not list(project.rglob("torchrun.log"))
+    assert not list(project.rglob("slurm_job.sh"))
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    assert not client.search_runs([e.experiment_id for e in client.search_experiments()])

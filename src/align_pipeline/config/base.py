@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import math
 import types
 import typing
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
@@ -65,6 +66,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # YAML's .nan / .inf: no setting means either (None is "off" where allowed)
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -112,6 +115,46 @@ def require_at_least(obj: Any, where: str, minimum: int, *names: str) -> None:
         value = getattr(obj, name)
         if value is not None and value < minimum:
             raise ConfigError(f"{where}.{name}={value} must be >= {minimum}")
+
+
+_CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x00": "a NUL byte"}
+
+
+def control_character(text: str) -> str | None:
+    """How to name the first control character (< 0x20, or DEL 0x7f) of ``text``, or None when it has none."""
+    for ch in text:
+        if ord(ch) < 0x20 or ord(ch) == 0x7F:
+            return _CONTROL_NAMES.get(ch, f"the control character {ch!r}")
+    return None
+
+
+def require_one_line(value: str | None, key: str, what: str) -> None:
+    """``value`` (unless None) must be one line of printable text: a newline, carriage return, tab, NUL or any other
+    control character fails naming ``key`` (``what`` says which fields must be one line, e.g. "Slurm fields")."""
+    found = control_character(value) if value is not None else None
+    if found:
+        raise ConfigError(f"{key} contains {found}; {what} must be one line")
+
+
+def require_range(obj: Any, where: str, name: str, low: float | None = None, high: float | None = None,
+                  low_open: bool = False, high_open: bool = False) -> None:
+    """Field ``name`` of ``obj`` (unless None) must lie in the interval from ``low`` to ``high`` (None = unbounded;
+    ``*_open`` = that end excluded); the error names the key and the interval, e.g.
+    ``params:ppo.loss.clip_eps=-1.0 must be in (0, 1)``."""
+    value = getattr(obj, name)
+    if value is None:
+        return
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if not below and not above:
+        return
+    if high is None:
+        rule = f"> {low:g}" if low_open else f">= {low:g}"
+    elif low is None:
+        rule = f"< {high:g}" if high_open else f"<= {high:g}"
+    else:
+        rule = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    raise ConfigError(f"{where}.{name}={value} must be {rule}")
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from align_pipeline.config.base import ConfigError, require_at_least
+from align_pipeline.config.base import ConfigError, require_at_least, require_one_line, require_range
 
 
 @dataclass
@@ -85,13 +85,21 @@ class ModelConfig:
 
     def validate(self, where: str = "model") -> None:
         require_at_least(self, where, 1, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                         "ffn_hidden_size", "seq_length", "vocab_size", "make_vocab_size_divisible_by", "kv_channels")
+                         "ffn_hidden_size", "seq_length", "vocab_size", "make_vocab_size_divisible_by", "kv_channels",
+                         "rope_original_max_position", "max_position_embeddings")
+        for name in ("rotary_base", "norm_epsilon"):
+            require_range(self, where, name, 0, low_open=True)
+        require_range(self, where, "init_method_std", 0)
+        for name in ("attention_dropout", "hidden_dropout"):
+            require_range(self, where, name, 0, 1, high_open=True)
         if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
             raise ConfigError(f"{where}.num_query_groups={self.num_query_groups} does not divide "
                               f"{where}.num_attention_heads={self.num_attention_heads} (each key/value head serves "
                               "a whole group of query heads)")
         if self.rope_scaling != "none" and self.rope_scaling_factor <= 0:
             raise ConfigError(f"{where}.rope_scaling_factor must be > 0, got {self.rope_scaling_factor}")
+        if self.rope_scaling == "llama3":
+            require_range(self, where, "rope_low_freq_factor", 0, low_open=True)
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ConfigError(f"{where}.rope_high_freq_factor must be > {where}.rope_low_freq_factor (llama3 scaling)")
         if self.sliding_window is not None and self.sliding_window < self.seq_length:
@@ -194,6 +202,13 @@ class SlurmConfig:
         require_at_least(self, where, 1, "gpus_per_node", "cpus_per_task")
         if not 1 <= self.rdzv_port <= 65535:
             raise ConfigError(f"{where}.rdzv_port={self.rdzv_port} must be in [1, 65535]")
+        if not self.poll_s > 0:
+            raise ConfigError(f"{where}.poll_s={self.poll_s} must be > 0")
+        # every string here becomes a line of slurm_job.sh: a newline would start a shell command of its own
+        for name in ("partition", "account", "time"):
+            require_one_line(getattr(self, name), f"{where}.{name}", "Slurm fields")
+        for i, line in enumerate(self.sbatch_lines):
+            require_one_line(line, f"{where}.sbatch_lines[{i}]", "Slurm fields")
         bad = [line for line in self.sbatch_lines if not str(line).startswith("-")]
         if bad:
             raise ConfigError(f"{where}.sbatch_lines: each is an sbatch option starting with '-', got {bad}")
@@ -277,9 +292,15 @@ class OptimizerConfig:
     """Global gradient-norm clip (0 = off)."""
 
     def validate(self, where: str = "optimizer") -> None:
+        require_range(self, where, "lr", 0, low_open=True)
         if not 0 <= self.min_lr <= self.lr:
             raise ConfigError(f"{where}: need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
         require_at_least(self, where, 0, "warmup_steps")
+        require_range(self, where, "weight_decay", 0)
+        for name in ("adam_beta1", "adam_beta2"):
+            require_range(self, where, name, 0, 1, high_open=True)
+        require_range(self, where, "adam_eps", 0, low_open=True)
+        require_range(self, where, "clip_grad", 0)
 
 
 @dataclass
@@ -312,7 +333,7 @@ class TrainingConfig:
     def validate(self, where: str = "training") -> None:
         require_at_least(self, where, 1, "train_steps", "global_batch_size", "micro_batch_size", "log_interval",
                          "eval_samples")
-        require_at_least(self, where, 0, "eval_interval", "save_interval", "keep_checkpoints")
+        require_at_least(self, where, 0, "seed", "eval_interval", "save_interval", "keep_checkpoints")
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(f"{where}.global_batch_size={self.global_batch_size} must be a multiple of "
                               f"{where}.micro_batch_size={self.micro_batch_size}")
@@ -342,8 +363,8 @@ class GenerationConfig:
     rollout, reused after, reading the live weights); False runs the same static-cache step eagerly."""
 
     def validate(self, where: str = "generation") -> None:
-        require_at_least(self, where, 0, "max_new_tokens", "top_k")
-        require_at_least(self, where, 1, "samples_per_prompt", "batch_size")
+        require_at_least(self, where, 0, "top_k", "seed")
+        require_at_least(self, where, 1, "max_new_tokens", "samples_per_prompt", "batch_size")
         if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"{where}: need temperature >= 0 (got {self.temperature}) and 0 < top_p <= 1 "
                               f"(got {self.top_p})")
@@ -412,6 +433,7 @@ class RewardConfig(ScoringConfig):
 
     def validate(self, where: str = "reward") -> None:
         super().validate(where)
+        require_range(self, where, "missing_eos_penalty", 0)
         if self.reward_model_weight == 0 and not any(f.weight for f in self.functions):
             raise ConfigError(f"{where}: no reward: reward_model_weight is 0 and no entry of {where}.functions has a "
                               "non-zero weight")
@@ -423,8 +445,11 @@ class KLConfig:
     PPO subtracts ``beta x KL`` from the per-token rewards (Ouyang et al. 2022, eq. 2); REINFORCE adds
     ``beta x KL`` to the loss (Shao et al. 2024, eq. 3)."""
 
-    estimator: Literal["k1", "k2", "k3"] = "k1"
-    """Per-token KL estimator (:mod:`align_pipeline.rl.kl`)."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (:mod:`align_pipeline.rl.kl`). k3 (DeepSeekMath eq. 4: unbiased, >= 0) works both as
+    a reward penalty and as a loss term. k1 (log pi - log pi_ref) is the classic per-token reward penalty (PPO's
+    default) but is refused as a loss term (REINFORCE with ``beta`` > 0): its gradient is zero in expectation there.
+    k2 (1/2 (log ratio)^2) is a biased, low-variance alternative."""
     beta: float = 0.05
     """The coefficient: constant, or the initial value of the adaptive controller (0 = off; KL is reported anyway)."""
     adaptive: bool = False
@@ -433,6 +458,14 @@ class KLConfig:
     """KL target in nats per sequence (adaptive only)."""
     horizon: float = 10000.0
     """Controller horizon in samples (adaptive only)."""
+
+    def validate(self, where: str = "kl") -> None:
+        require_range(self, where, "beta", 0)
+        for name in ("target", "horizon"):
+            require_range(self, where, name, 0, low_open=True)
+        if self.adaptive and self.beta == 0:
+            raise ConfigError(f"{where}.beta=0 with {where}.adaptive: the adaptive controller scales beta, so it must "
+                              "start > 0 (beta 0 = no KL term: set adaptive false)")
 
 
 @dataclass
@@ -467,7 +500,7 @@ class RLLoopConfig:
     def validate(self, where: str = "rl") -> None:
         require_at_least(self, where, 1, "iterations", "prompts_per_iteration", "epochs", "minibatches",
                          "micro_batch_size", "log_interval")
-        require_at_least(self, where, 0, "eval_interval", "eval_prompts", "save_interval", "keep_checkpoints")
+        require_at_least(self, where, 0, "seed", "eval_interval", "eval_prompts", "save_interval", "keep_checkpoints")
 
     @property
     def steps_per_iteration(self) -> int:
@@ -520,6 +553,10 @@ class ExportConfig:
     """Parity tolerance; None = 1e-4 for float32, 5e-2 for bfloat16/float16."""
     work_dir: str = "data/06_models/_runs/export"
     """Where the export pipeline writes before the catalog moves each HF directory into its version."""
+
+    def validate(self, where: str = "export") -> None:
+        for name in ("max_shard_gb", "tolerance"):
+            require_range(self, where, name, 0, low_open=True)
 
 
 @dataclass(kw_only=True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from align_pipeline.config.base import ConfigError, require_at_least
+from align_pipeline.config.base import ConfigError, require_at_least, require_range
 from align_pipeline.config.common import (
     ParallelConfig,
     StageJob,
@@ -16,6 +18,25 @@ from align_pipeline.config.common import (
 
 REFERENCE_FREE_LOSSES: frozenset[str] = frozenset({"simpo"})
 """Preference losses that never read reference log-probs (the DPO job may then run without them)."""
+
+
+def _number(low: float, high: float = math.inf, low_open: bool = False) -> Callable[[Any], bool]:
+    def check(value: Any) -> bool:
+        ok_type = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return ok_type and (value > low if low_open else value >= low) and value <= high
+    return check
+
+
+PREFERENCE_OPTIONS: dict[str, dict[str, tuple[bool, Callable[[Any], bool], str]]] = {
+    "dpo": {"label_smoothing": (False, _number(0.0, 0.5), "a number in [0, 0.5]")},
+    "ipo": {"length_normalized": (False, lambda v: isinstance(v, bool), "true or false")},
+    "rpo": {"eta": (True, _number(0.0, low_open=True), "a number > 0"),
+            "distance": (False, lambda v: v in ("bwd_kl", "sq"), "'bwd_kl' or 'sq'")},
+    "simpo": {"gamma": (True, _number(0.0), "a number >= 0")},
+    "hinge": {},
+}
+"""Each preference loss's keyword options (``loss.options``, the keyword arguments of its function in
+:mod:`align_pipeline.losses.preference`): name -> (required, check, the rule the error states)."""
 
 
 @dataclass
@@ -30,6 +51,22 @@ class PreferenceLossConfig:
     """Extra keyword arguments of that loss, e.g. label_smoothing (dpo), eta (rpo), gamma (simpo)."""
     sft_weight: float = 0.0
     """Weight of the SFT (mean NLL of the chosen response) term added to the preference loss; 0 = off."""
+
+    def validate(self, where: str = "loss") -> None:
+        require_range(self, where, "beta", 0, low_open=True)
+        require_range(self, where, "sft_weight", 0)
+        known = PREFERENCE_OPTIONS[self.name]
+        unknown = sorted(set(self.options) - set(known))
+        if unknown:
+            raise ConfigError(f"{where}.options: {unknown} not an option of the {self.name!r} loss; its options: "
+                              f"{sorted(known) or 'none'}")
+        for key, (required, check, rule) in known.items():
+            if key not in self.options:
+                if required:
+                    raise ConfigError(f"{where}.options.{key}: required by the {self.name!r} loss ({rule})")
+                continue
+            if not check(self.options[key]):
+                raise ConfigError(f"{where}.options.{key}={self.options[key]!r} must be {rule}")
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from align_pipeline.config.base import require_at_least
+from align_pipeline.config.base import require_at_least, require_range
 from align_pipeline.config.checks import check_reward_model
 from align_pipeline.config.common import GenerationConfig, ParallelConfig, ScoringConfig
 
@@ -19,6 +19,10 @@ class PromotionGateConfig:
     """Sampled accuracy minus the SFT policy's must be at least this (e.g. 0.0: no worse than SFT)."""
     max_kl_to_reference: float | None = None
     """The policy's KL to the reference (per sequence, the report's ``kl_to_reference``) must be at most this."""
+
+    def validate(self, where: str = "gate") -> None:
+        require_range(self, where, "min_gain_over_sft", -1, 1)
+        require_range(self, where, "max_kl_to_reference", 0)
 
 
 @dataclass

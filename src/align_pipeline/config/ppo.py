@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from align_pipeline.config.base import ConfigError
-from align_pipeline.config.common import LoRAConfig, OptimizerConfig, RLPaths, StageJob
+from align_pipeline.config.base import ConfigError, require_range
+from align_pipeline.config.common import KLConfig, LoRAConfig, OptimizerConfig, RLPaths, StageJob
 from align_pipeline.config.rl import RLConfig, check_rl_job
 
 
@@ -27,6 +27,13 @@ class PPOLossConfig:
     whiten_advantages: bool = True
     """Whiten advantages over the whole rollout (all DP ranks)."""
 
+    def validate(self, where: str = "loss") -> None:
+        require_range(self, where, "clip_eps", 0, 1, low_open=True, high_open=True)
+        require_range(self, where, "value_clip_eps", 0, low_open=True)
+        for name in ("gamma", "lam"):
+            require_range(self, where, name, 0, 1)
+        require_range(self, where, "entropy_coef", 0)
+
 
 @dataclass
 class PPOConfig(RLConfig):
@@ -34,6 +41,10 @@ class PPOConfig(RLConfig):
 
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)
     """Clipping, GAE, entropy bonus, whitening."""
+    kl: KLConfig = field(default_factory=lambda: KLConfig(estimator="k1"))
+    """The KL-to-reference penalty, subtracted from the per-token rewards (``beta`` x KL, Ouyang et al. 2022,
+    eq. 2). Its estimator defaults to k1 here (InstructGPT's log pi - log pi_ref per token, which a reward penalty
+    may use: its sum over the response estimates the sequence's KL); k2 and k3 work too."""
     critic_optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The critic's optimizer and schedule."""
     critic_lora: LoRAConfig = field(default_factory=LoRAConfig)

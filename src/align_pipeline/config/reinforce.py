@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from align_pipeline.config.base import ConfigError
+from align_pipeline.config.base import ConfigError, require_range
 from align_pipeline.config.common import RLPaths, StageJob
 from align_pipeline.config.rl import RLConfig, check_rl_job
 
@@ -20,6 +20,14 @@ class ReinforceLossConfig:
     """GRPO: divide by the group std (False = Dr. GRPO)."""
     clip_eps: float = 0.2
     """Ratio clip when a rollout is used for more than one optimizer step (epochs or minibatches > 1)."""
+    std_eps: float = 1e-6
+    """GRPO with ``grpo_scale``: added to the group's std before dividing, A_i = (r_i - mean) / (std + std_eps). It
+    bounds the advantages of a group whose scores barely differ (a group of equal scores gets exactly 0 anyway).
+    TRL's ``GRPOTrainer`` uses 1e-4; must be > 0."""
+
+    def validate(self, where: str = "loss") -> None:
+        require_range(self, where, "clip_eps", 0, 1, low_open=True, high_open=True)
+        require_range(self, where, "std_eps", 0, low_open=True)
 
 
 @dataclass
@@ -37,6 +45,9 @@ class ReinforceConfig(RLConfig):
             )
         if self.kl.adaptive:
             raise ConfigError(f"{where}.kl.adaptive is a PPO controller; REINFORCE uses a constant kl.beta")
+        if self.kl.estimator == "k1" and self.kl.beta > 0:
+            raise ConfigError(f"{where}.kl.estimator=k1: REINFORCE adds beta x KL to the loss, and k1's gradient is "
+                              "zero in expectation as a loss term; use k3 (or k2)")
 
 
 @dataclass(kw_only=True)

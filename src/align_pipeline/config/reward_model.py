@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from align_pipeline.config.base import ConfigError
+from align_pipeline.config.base import ConfigError, require_range
 from align_pipeline.config.common import (
     StageJob,
     StageRunConfig,
@@ -32,6 +32,9 @@ class RewardModelConfig(StageRunConfig):
     (EOS); mean = the mean over the response tokens. Stored in meta.json (``reward_head``) for every later user."""
     margin_scale: float = 0.0
     """Bradley-Terry margin = margin_scale * (chosen_reward - rejected_reward) where the data has both (Llama 2)."""
+
+    def validate(self, where: str = "reward_model") -> None:
+        require_range(self, where, "margin_scale", 0)
 
 
 @dataclass(kw_only=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from align_pipeline.config.base import ConfigError
+from align_pipeline.config.base import ConfigError, require_range
 from align_pipeline.config.checks import check_reward_model, check_stage_parallel
 from align_pipeline.config.common import (
     GenerationConfig,
@@ -27,6 +27,9 @@ class RLGateConfig:
     min_reward_model_accuracy: float | None = None
     """The reward model's held-out pair accuracy (its training's final ``val_accuracy``, read from its checkpoint)
     must be at least this; None = no gate. Checked only when the stage uses a reward model."""
+
+    def validate(self, where: str = "gate") -> None:
+        require_range(self, where, "min_reward_model_accuracy", 0, 1)
 
 
 @dataclass

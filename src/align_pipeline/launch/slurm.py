@@ -26,7 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from align_pipeline.config import LaunchConfig
+from align_pipeline.config import ConfigError, LaunchConfig
+from align_pipeline.config.base import control_character
 
 logger = logging.getLogger("align_pipeline.launch")
 
@@ -48,7 +49,14 @@ def rdzv_id(run_dir: Path) -> str:
 
 def job_script(module: str, config_path: Path, launch: LaunchConfig, log_dir: Path, label: str,
                worker_module: str) -> str:
-    """The batch script: ``#SBATCH`` options from ``launch`` and ``launch.slurm``, then one torchrun per node."""
+    """The batch script: ``#SBATCH`` options from ``launch`` and ``launch.slurm``, then one torchrun per node.
+
+    Every word is ``shlex.quote``-d (the interpreter, the paths, the modules, the options), so a space or ``$(...)``
+    in any of them stays part of that word; the one expansion is the first node's name (``"$head"``). A value with a
+    control character cannot be written into a line of the script at all: the config's Slurm fields are refused when
+    the parameters are loaded (:class:`~align_pipeline.config.SlurmConfig`), and any other value (the run directory,
+    the interpreter's path) here, with a :class:`~align_pipeline.config.ConfigError` naming it.
+    """
     s = launch.slurm
     name = "align-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
     options = [f"--job-name={name}", f"--nodes={launch.nnodes}", "--ntasks-per-node=1",
@@ -58,21 +66,31 @@ def job_script(module: str, config_path: Path, launch: LaunchConfig, log_dir: Pa
                 (("partition", s.partition), ("account", s.account), ("time", s.time),
                  ("gpus_per_node", s.gpus_per_node), ("cpus_per_task", s.cpus_per_task)) if value is not None]
     options += [str(line) for line in s.sbatch_lines]
+    srun = ["srun", "--kill-on-bad-exit=1", f"--nodes={launch.nnodes}", f"--ntasks={launch.nnodes}",
+            "--ntasks-per-node=1", *([f"--cpus-per-task={s.cpus_per_task}"] if s.cpus_per_task else [])]
     torchrun = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(launch.nnodes), "--nproc-per-node", str(launch.nproc_per_node),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f'"$head:{s.rdzv_port}"', "--rdzv-id", rdzv_id(log_dir.parent),
-        "--max-restarts", "0",
-        "-m", worker_module, shlex.quote(str(log_dir)), module, "--config", shlex.quote(str(config_path)),
+        "--rdzv-backend", "c10d", "--rdzv-id", rdzv_id(log_dir.parent), "--max-restarts", "0",
     ]  # fmt: skip
+    worker = ["-m", worker_module, str(log_dir), module, "--config", str(config_path)]
+    for what, value in (("the job's label", label), ("the Python interpreter's path (sys.executable)", sys.executable),
+                        ("the run directory", str(log_dir.parent)), ("the job's config path", str(config_path)),
+                        *(("an #SBATCH option", o) for o in options),
+                        *(("a word of the srun command", w) for w in srun + torchrun + worker)):
+        found = control_character(value)
+        if found:
+            raise ConfigError(f"launch.backend=slurm: {what} {value!r} contains {found}; it cannot be written into "
+                              "a line of slurm_job.sh")
+    endpoint = f'"$head":{int(s.rdzv_port)}'  # the first node's name, expanded by the job's shell
+    command = " ".join([shlex.join(srun + torchrun), "--rdzv-endpoint", endpoint, shlex.join(worker)])
     return "\n".join([
         "#!/bin/bash",
-        f"# {label}: written by align_pipeline.launch.slurm; submit with sbatch (or run inside an allocation)",
+        f"# {name}: written by align_pipeline.launch.slurm; submit with sbatch (or run inside an allocation)",
         *(f"#SBATCH {shlex.quote(option)}" for option in options),
         "set -euo pipefail",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"srun --kill-on-bad-exit=1 --nodes={launch.nnodes} --ntasks={launch.nnodes} --ntasks-per-node=1 "
-        + (f"--cpus-per-task={s.cpus_per_task} " if s.cpus_per_task else "") + " ".join(torchrun),
+        command,
         "",
     ])  # fmt: skip
 

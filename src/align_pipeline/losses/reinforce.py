@@ -54,7 +54,8 @@ def reinforce_loss(
       ref_logp: [B, T], log-probs under the frozen reference; needed when ``beta > 0``; when given, the ``kl``
         metric is reported even with ``beta = 0``.
       beta: β ≥ 0, the KL coefficient.
-      estimator: ``"k1"`` | ``"k2"`` | ``"k3"``.
+      estimator: ``"k2"`` | ``"k3"`` (``"k1"`` only with ``beta = 0``, as a reported metric: as a loss term its
+        gradient ∇ log π is zero in expectation under the policy's own samples, so it only adds noise).
       old_logp: [B, T], log-probs under the rollout policy; switches on the clipped ratio form.
       clip_eps: ε in (0, 1), used only with ``old_logp``.
 
@@ -71,6 +72,9 @@ def reinforce_loss(
         raise ValueError(f"reinforce_loss: beta must be a finite number >= 0, got {beta}")
     if beta > 0 and ref_logp is None:
         raise ValueError("reinforce_loss: beta > 0 needs ref_logp")
+    if beta > 0 and estimator == "k1":
+        raise ValueError("reinforce_loss: k1's gradient is zero in expectation as a loss term (E_pi[grad log pi] = 0); "
+                         "use k3 (or k2)")
     logp_ = fill(logp, m, dtype)  # [B, T]
     adv = fill(advantages.detach(), m, dtype)  # [B, T]
     metrics: dict[str, torch.Tensor] = {}

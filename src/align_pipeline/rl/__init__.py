@@ -6,6 +6,7 @@ value losses, REINFORCE/GRPO) live with the other losses in :mod:`align_pipeline
 
 from align_pipeline.rl.advantages import (
     gae,
+    groups_without_signal,
     grpo_advantages,
     masked_moments,
     moments_to_mean_var,
@@ -30,6 +31,7 @@ __all__ = [
     "FixedKLController",
     "KLEstimator",
     "gae",
+    "groups_without_signal",
     "grpo_advantages",
     "kl_k1",
     "kl_k2",

@@ -169,15 +169,21 @@ def rloo_advantages(scores: torch.Tensor) -> torch.Tensor:
 
         A_i = r_i - 1/(n-1) Σ_{j≠i} r_j  =  n/(n-1) · (r_i - mean_j r_j)
 
+    Non-finite scores (NaN, ±inf: a reward function or reward model that failed on a sample) take no part: such a
+    sample gets A = 0, and the others' baselines are the mean over the k finite scores of the group but their own
+    (1/(k-1) Σ_{j≠i, finite}); a group with fewer than two finite scores has no baseline and gets 0 throughout.
+
     Args:
       scores: [P, n], n ≥ 2 samples per prompt (row = prompt; a flat prompt-major [P·n] is ``view(-1, n)``).
 
-    Returns [P, n] advantages (sum to 0 in each group; exactly 0 in a group of equal scores).
+    Returns [P, n] advantages (sum to 0 over the finite samples of each group; exactly 0 in a group of equal scores).
     """
     r = _check_groups("rloo_advantages", scores)  # [P, n]
-    n = r.shape[1]
-    baseline = (r.sum(dim=1, keepdim=True) - r) / (n - 1)  # [P, n]  mean of the other n-1
-    return _zero_constant_groups(r, r - baseline)
+    finite = torch.isfinite(r)  # [P, n]
+    x = torch.where(finite, r, 0.0)  # [P, n]  non-finite scores out of the sums
+    k = finite.sum(dim=1, keepdim=True)  # [P, 1]  finite scores per group
+    baseline = (x.sum(dim=1, keepdim=True) - x) / (k - 1).clamp(min=1)  # [P, n]  mean of the other k-1
+    return _zero_constant_groups(r, finite, x - baseline)
 
 
 def grpo_advantages(scores: torch.Tensor, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
@@ -194,20 +200,40 @@ def grpo_advantages(scores: torch.Tensor, eps: float = 1e-6, scale: bool = True)
     (n-1)/n rather than 1; for binary rewards with n = 4 and one success: sample std 0.5, population std 0.433.
     (:func:`whiten_with` uses the population variance; it normalises many tokens, where the difference is negligible.)
 
+    Non-finite scores (NaN, ±inf) take no part: mean and std are over the k finite scores of the group (std with
+    k-1), such a sample gets A = 0, and a group with fewer than two finite scores gets 0 throughout.
+
     Args:
       scores: [P, n], n ≥ 2 samples per prompt (row = prompt; a flat prompt-major [P·n] is ``view(-1, n)``).
-      eps: added to the std; keeps an all-equal group at 0 instead of 0/0.
+      eps: added to the std (``reinforce.loss.std_eps``; TRL's ``GRPOTrainer`` uses 1e-4): bounds the scale of a
+        group whose scores barely differ (1 / eps at most).
       scale: divide by the group std.
 
-    Returns [P, n] advantages; exactly 0 in a group whose scores are all equal (no learning signal).
+    Returns [P, n] advantages; exactly 0 in a group whose finite scores are all equal (no learning signal).
     """
     r = _check_groups("grpo_advantages", scores)  # [P, n]
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"grpo_advantages: eps must be a finite number >= 0, got {eps}")
-    adv = r - r.mean(dim=1, keepdim=True)  # [P, n]
+    finite = torch.isfinite(r)  # [P, n]
+    if bool(finite.all()):  # every score finite: torch's own mean / std
+        adv = r - r.mean(dim=1, keepdim=True)  # [P, n]
+        if scale:
+            adv = adv / (r.std(dim=1, keepdim=True) + eps)  # [P, n]  sample std (n-1)
+        return _zero_constant_groups(r, finite, adv)
+    x = torch.where(finite, r, 0.0)  # [P, n]
+    k = finite.sum(dim=1, keepdim=True)  # [P, 1]
+    adv = torch.where(finite, x - x.sum(dim=1, keepdim=True) / k.clamp(min=1), 0.0)  # [P, n]  over finite scores
     if scale:
-        adv = adv / (r.std(dim=1, keepdim=True) + eps)  # [P, n]  sample std (n-1)
-    return _zero_constant_groups(r, adv)
+        std = ((adv * adv).sum(dim=1, keepdim=True) / (k - 1).clamp(min=1)).sqrt()  # [P, 1]  sample std (k-1)
+        adv = adv / (std + eps)  # [P, n]
+    return _zero_constant_groups(r, finite, adv)
+
+
+def groups_without_signal(scores: torch.Tensor) -> torch.Tensor:
+    """[P, n] scores -> [P] bool: the groups whose finite scores are all equal (fewer than two finite scores
+    included): their advantages are 0 under both baselines."""
+    r = _check_groups("groups_without_signal", scores)  # [P, n]
+    return _constant_groups(r, torch.isfinite(r))[:, 0]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -235,8 +261,14 @@ def _check_groups(fn: str, scores: torch.Tensor) -> torch.Tensor:
     return scores.detach().to(_float_dtype(scores))
 
 
-def _zero_constant_groups(r: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-    """Exact zeros for groups with equal scores: r_i - mean is otherwise a rounding error of ~1 ulp, which an eps of
-    1e-6 would blow up to O(0.01)."""
-    constant = (r == r[:, :1]).all(dim=1, keepdim=True)  # [P, 1]
-    return torch.where(constant, 0.0, adv)  # [P, n]
+def _constant_groups(r: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """[P, 1] bool: the finite scores of the group are all equal, or fewer than two are finite."""
+    high = torch.where(finite, r, -math.inf).amax(dim=1, keepdim=True)  # [P, 1]
+    low = torch.where(finite, r, math.inf).amin(dim=1, keepdim=True)  # [P, 1]
+    return (high == low) | (finite.sum(dim=1, keepdim=True) < 2)
+
+
+def _zero_constant_groups(r: torch.Tensor, finite: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """Exact zeros for groups with equal (finite) scores: r_i - mean is otherwise a rounding error of ~1 ulp, which an
+    eps of 1e-6 would blow up to O(0.01); and for every non-finite score."""
+    return torch.where(_constant_groups(r, finite) | ~finite, 0.0, adv)  # [P, n]

@@ -108,15 +108,20 @@ def critic_loss(cfg: PPOConfig):
 def advantages_and_returns(cfg: PPOConfig, scores: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
                            values: torch.Tensor, mask: torch.Tensor, beta: float, dist):
     """Per-token KL [n, s], GAE advantages (whitened over every DP rank when configured) and returns [n, s], and the
-    raw advantages [n, s] for the metrics."""
+    raw advantages [n, s] for the metrics. A sample whose score is not finite (NaN, inf) gets advantage 0 and its own
+    values as returns (no signal for actor or critic), and is left out of the whitening statistics."""
+    finite = torch.isfinite(scores)  # [n]
+    scored = mask.bool() & finite[:, None]  # [n, s]  the response tokens of samples with a finite score
     kl = kl_penalty(old_logp, ref_logp, cfg.kl.estimator) * mask  # [n, s]
-    rewards = token_rewards(scores, kl, mask, beta)  # [n, s]: -beta * KL per token, + the score on the last one
+    rewards = token_rewards(torch.where(finite, scores, 0.0), kl, mask, beta)  # [n, s]: -beta * KL per token, + score
     raw, returns = gae(rewards, values, mask, cfg.loss.gamma, cfg.loss.lam)  # [n, s]
+    raw = torch.where(scored, raw, 0.0)  # [n, s]
+    returns = torch.where(scored | ~mask.bool(), returns, values)  # [n, s]
     advantages = raw
     if cfg.loss.whiten_advantages:
-        moments = torch.stack(masked_moments(raw, mask))
+        moments = torch.stack(masked_moments(raw, scored))
         tdist.all_reduce(moments, group=dist.pgs.dp)
-        advantages = whiten_with(raw, mask, *moments_to_mean_var(*moments))
+        advantages = whiten_with(raw, scored, *moments_to_mean_var(*moments))
     return kl, advantages, returns, raw
 
 
@@ -180,7 +185,7 @@ def main(job: PPOJob) -> dict:
                                                               beta, dist)
         seq_kl = kl.sum(-1)  # [n]
         stats = rollout.rollout_stats(r, scores, reward_fns, dist)
-        stats.add("rollout/rewards_with_kl", scores.total - beta * seq_kl, std=False)
+        stats.add("rollout/rewards_with_kl", scores.total - beta * seq_kl, torch.isfinite(scores.total), std=False)
         stats.add("rollout/init_policy_kl", seq_kl, std=False)
         stats.add("rollout/advantages", raw, mask)
         stats.add("rollout/returns", returns, mask)

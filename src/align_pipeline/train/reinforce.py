@@ -27,7 +27,7 @@ from align_pipeline.model import init
 from align_pipeline.model.logprobs import token_nll
 from align_pipeline.model.sequences import run
 from align_pipeline.rewards import RewardFunctions
-from align_pipeline.rl import grpo_advantages, kl_penalty, rloo_advantages
+from align_pipeline.rl import groups_without_signal, grpo_advantages, kl_penalty, rloo_advantages
 from align_pipeline.tracking import RunLogger
 from align_pipeline.train.core import rollout
 from align_pipeline.train.core.batches import split_rows
@@ -39,11 +39,12 @@ from align_pipeline.train.core.progress import log
 
 
 def group_advantages(cfg: ReinforceConfig, scores: torch.Tensor) -> torch.Tensor:
-    """Flat prompt-major scores [P*n] -> one advantage per sample [P*n]."""
+    """Flat prompt-major scores [P*n] -> one advantage per sample [P*n] (0 for a non-finite score, which no baseline
+    includes)."""
     groups = scores.view(-1, cfg.generation.samples_per_prompt)  # [P, n]
     if cfg.loss.estimator == "rloo":
         return rloo_advantages(groups).flatten()
-    return grpo_advantages(groups, scale=cfg.loss.grpo_scale).flatten()
+    return grpo_advantages(groups, eps=cfg.loss.std_eps, scale=cfg.loss.grpo_scale).flatten()
 
 
 def policy_loss(cfg: ReinforceConfig, vocab_size: int, tp_rank: int, clipped: bool):
@@ -115,8 +116,7 @@ def main(job: ReinforceJob) -> dict:
         stats = rollout.rollout_stats(r, scores, reward_fns, dist)
         stats.add("rollout/init_policy_kl", (kl_penalty(old_logp, ref_logp, "k1") * mask).sum(-1), std=False)
         stats.add("rollout/advantages", advantages)
-        stats.add("rollout/fraction_of_groups_without_signal", (groups == groups[:, :1]).all(dim=1).double(),
-                  std=False)
+        stats.add("rollout/fraction_of_groups_without_signal", groups_without_signal(groups).double(), std=False)
         m = stats.reduce()
         # 4. epochs x minibatches of policy steps over a seeded order
         rows = {**r.rows, "advantages": advantages, "ref_logp": ref_logp, "old_logp": old_logp}

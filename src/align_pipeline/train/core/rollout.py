@@ -133,17 +133,21 @@ class DPStats:
     """Accumulate sums of (value, count) pairs on each DP rank and reduce them in one all-reduce.
 
     ``add(name, values, mask)`` records Σ v, Σ v² and the count; :meth:`reduce` returns ``name_mean`` /
-    ``name_std`` (or just ``name`` with ``std=False``) over every DP rank's rows.
+    ``name_std`` (or just ``name`` with ``std=False``, or the sum Σ v with ``total=True``) over every DP rank's rows.
+    Entries outside ``mask`` never reach the sums (they may be NaN).
     """
 
     def __init__(self, dist: Dist):
         self.dist = dist
-        self._entries: list[tuple[str, bool, torch.Tensor]] = []
+        self._entries: list[tuple[str, str, torch.Tensor]] = []
 
-    def add(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None, std: bool = True) -> None:
+    def add(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None, std: bool = True,
+            total: bool = False) -> None:
         v = values.detach().double()
         m = torch.ones_like(v) if mask is None else mask.detach().double()
-        self._entries.append((name, std, torch.stack([(v * m).sum(), (v * v * m).sum(), m.sum()])))
+        v = torch.where(m != 0, v, 0.0)  # a NaN outside the mask stays out of the sums
+        kind = "total" if total else "mean_std" if std else "mean"
+        self._entries.append((name, kind, torch.stack([(v * m).sum(), (v * v * m).sum(), m.sum()])))
 
     def reduce(self) -> dict[str, float]:
         if not self._entries:
@@ -151,9 +155,11 @@ class DPStats:
         stacked = torch.stack([e[2] for e in self._entries]).to(self.dist.device)  # [k, 3]
         tdist.all_reduce(stacked, group=self.dist.pgs.dp)
         out = {}
-        for (name, std, _), (s, s2, c) in zip(self._entries, stacked.tolist()):
+        for (name, kind, _), (s, s2, c) in zip(self._entries, stacked.tolist()):
             mean = s / c if c else float("nan")
-            if std:
+            if kind == "total":
+                out[name] = s
+            elif kind == "mean_std":
                 out[f"{name}_mean"] = mean
                 out[f"{name}_std"] = float(np.sqrt(max(s2 / c - mean * mean, 0.0))) if c else float("nan")
             else:
@@ -206,16 +212,21 @@ def token_values(model, rows: dict, micro_batch_size: int, dist: Dist) -> torch.
 
 def rollout_stats(r: Rollout, scores: Scores, rewards: RewardFunctions, dist: Dist) -> DPStats:
     """The rollout metrics every RL stage reports (a stage adds its own before ``reduce()``): ``rollout/accuracy``
-    with an accuracy function, ``rollout/reward_<function>`` per function when there are several."""
+    with an accuracy function, ``rollout/reward_<function>`` per function when there are several, and
+    ``rollout/nonfinite_rewards``: how many samples of the rollout (all DP ranks) had a NaN or infinite reward (they
+    get advantage 0 and are left out of the baselines and of the reward means)."""
     stats = DPStats(dist)
-    stats.add("rollout/rewards", scores.total)
+    finite = torch.isfinite(scores.total)  # [n]
+    stats.add("rollout/rewards", scores.total, finite)
+    stats.add("rollout/nonfinite_rewards", (~finite).double(), total=True)
     if scores.correct is not None:
         stats.add("rollout/accuracy", scores.correct, std=False)
     if scores.functions is not None and scores.functions.shape[1] > 1:
         for i, term in enumerate(rewards.terms):
-            stats.add(f"rollout/reward_{term.key}", scores.functions[:, i], std=False)
+            values = scores.functions[:, i]  # [n]
+            stats.add(f"rollout/reward_{term.key}", values, torch.isfinite(values), std=False)
     if scores.rm is not None:
-        stats.add("rollout/reward_model_score", scores.rm, std=False)
+        stats.add("rollout/reward_model_score", scores.rm, torch.isfinite(scores.rm), std=False)
     stats.add("rollout/response_lengths", r.rows["loss_mask"].sum(-1), std=False)
     stats.add("rollout/fraction_of_samples_properly_ended",
               torch.tensor(r.ended_with_eos, dtype=torch.float64, device=dist.device), std=False)
