@@ -17,7 +17,7 @@ import yaml
 from projects import copy_project, enter_project, run_kedro
 
 from align_pipeline.config import LaunchConfig
-from align_pipeline.launch import LaunchError, free_port, multinode, run_torchrun
+from align_pipeline.launch import LaunchError, board_auth, free_port, multinode, run_torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,16 @@ HERE = Path(__file__).parent
 TOY_PATH = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
 
 
+@pytest.fixture(autouse=True)
+def board_secret(tmp_path, monkeypatch):
+    """Node 0 (this process) writes the board's secret there, the worker reads it there."""
+    monkeypatch.setenv(board_auth.SECRET_FILE_ENV, str(tmp_path / "board.key"))
+
+
 def _worker(port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": TOY_PATH, "KEDRO_DISABLE_TELEMETRY": "true"}
+    # toy_entry: the test entry point this worker's operator allows besides the stages
+    env = {**os.environ, "PYTHONPATH": TOY_PATH, "KEDRO_DISABLE_TELEMETRY": "true",
+           board_auth.WORKER_MODULES_ENV: "toy_entry"}
     return subprocess.Popen([sys.executable, "-m", "align_pipeline", "worker", "--master-addr", "127.0.0.1",
                              "--master-port", str(port), "--connect-timeout", "120"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
