@@ -8,6 +8,10 @@ Two kinds, same layout (a directory with ``meta.json`` and the shards):
 
 A checkpoint is written into ``.tmp-<name>`` beside its final place and renamed only after every rank has finished
 and ``meta.json`` is written, so a directory named ``iter_*`` (or a model artifact) is always complete.
+
+Loading runs no code from the checkpoint: importing this module installs :mod:`align_pipeline.model.safe_pickle`
+(``.metadata`` and the shards' objects through a restricted unpickler), ``common.pt`` and the RNG files are read with
+``weights_only=True``, and pickled Transformer Engine extra state is refused (:func:`_check_extra_state`).
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ import torch
 import torch.distributed as tdist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
 
 from align_pipeline.data.formats import CHECKPOINT_META as META_FILE
 from align_pipeline.data.formats import checkpoint_meta as read_meta
 from align_pipeline.data.formats import is_checkpoint, lora_adapters_only
-from align_pipeline.model import lora, memory
+from align_pipeline.model import lora, memory, safe_pickle
 from align_pipeline.model.gpt import unwrap
+
+safe_pickle.install()
 
 FORMAT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
@@ -111,6 +118,44 @@ def _save(state: dict[str, Any], directory: Path) -> None:
     _fork_started_results_queue()
     with memory.phase("save"):
         dist_checkpointing.save(state, str(directory))
+
+
+class _WeightsOnlyCommonLoad(TorchCommonLoadStrategy):
+    """Megatron's ``common.pt`` loader with ``weights_only=True`` stated (Megatron relies on torch's default, which
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns off) and a refusal naming the file."""
+
+    def load_common(self, checkpoint_dir: str | os.PathLike):
+        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint {checkpoint_dir} has no {COMMON_STATE_FNAME}")
+        return safe_pickle.weights_only_load(path)
+
+    def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
+        raise safe_pickle.UnsafeCheckpoint(f"checkpoint {checkpoint_dir}: objects stored as separate .pt files (not "
+                                           "the torch_dist format this project writes) are not loaded")
+
+
+def _load(sharded: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
+    """``dist_checkpointing.load`` with :class:`_WeightsOnlyCommonLoad`; pickled extra state refused."""
+    with safe_pickle.refusals_unwrapped():
+        state = dist_checkpointing.load(sharded, str(path), common_strategy=_WeightsOnlyCommonLoad())
+    _check_extra_state(state, path)
+    return state
+
+
+def _check_extra_state(state: Any, path: str | os.PathLike, key: str = "") -> None:
+    """Refuse a non-empty ``*._extra_state``: Transformer Engine's layers ``pickle.loads`` theirs in
+    ``load_state_dict`` (FP8 scaling state, which this project never trains with: without FP8 it is empty or None).
+    """
+    if isinstance(state, dict):
+        for k, v in state.items():
+            _check_extra_state(v, path, f"{key}.{k}" if key else str(k))
+    elif key.endswith("_extra_state") and state is not None:
+        empty = isinstance(state, torch.Tensor) and state.numel() == 0
+        if not empty and not (isinstance(state, list | tuple) and all(x is None for x in state)):
+            raise safe_pickle.UnsafeCheckpoint(
+                f"checkpoint {path}: refused to load {key} ({type(state).__name__}: pickled Transformer Engine FP8 "
+                "state, which this project does not train with; a checkpoint from elsewhere cannot run code)")
 
 
 def save_model(path: str | os.PathLike, model, meta: dict[str, Any], adapters_only: bool = False) -> Path:
@@ -200,9 +245,9 @@ def load_model(path: str | os.PathLike, model) -> dict[str, Any]:
     if fresh_adapters:
         sharded = {k: v for k, v in sharded.items() if not lora.is_adapter(k)}
     if meta.get("kind") == "training":
-        state = dist_checkpointing.load({"model": sharded}, str(path))["model"]
+        state = _load({"model": sharded}, path)["model"]
     else:
-        state = dist_checkpointing.load(sharded, str(path))
+        state = _load(sharded, path)
     missing, unexpected = inner.load_state_dict(state, strict=False)
     missing = [k for k in missing if not ((new_head and k.startswith("output_layer."))
                                           or (fresh_adapters and lora.is_adapter(k)))]
@@ -281,7 +326,7 @@ def load_training(path: str | os.PathLike, model, optimizer, scheduler) -> dict[
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_METADATA),
     }
-    state = dist_checkpointing.load(sharded, str(path))
+    state = _load(sharded, path)
     inner.load_state_dict(state["model"], strict=True)
     _zero_step_where_missing(state["optimizer"])
     with _tolerate_missing_adam_step(optimizer):
@@ -292,7 +337,7 @@ def load_training(path: str | os.PathLike, model, optimizer, scheduler) -> dict[
     rng_file = path / "rng" / f"rank_{rank:05d}.pt"
     world = tdist.get_world_size() if tdist.is_initialized() else 1
     if meta.get("world_size") == world and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+        _set_rng_state(safe_pickle.weights_only_load(rng_file))
     return state["train_state"]
 
 

@@ -26,6 +26,7 @@ and an HF directory in ``transformers`` on the same fixed tokens and returns ``m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -38,19 +39,32 @@ import torch
 
 from align_pipeline.config import ModelConfig, from_dict
 from align_pipeline.data.formats import checkpoint_meta, lora_adapters_only
-from align_pipeline.model import rope
+from align_pipeline.errors import UserError
+from align_pipeline.model import rope, safe_pickle
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
 
-class HFExportError(ValueError):
+class HFExportError(UserError, ValueError):
     """The checkpoint cannot be written as an HF model directory."""
 
 
 def _reader(path: Path):
+    """torch DCP's reader, its ``.metadata`` and objects read through :mod:`align_pipeline.model.safe_pickle`."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    safe_pickle.install()
     return FileSystemReader(str(path))
+
+
+@contextlib.contextmanager
+def _refused_as_export_error():
+    """A checkpoint refused by :mod:`align_pipeline.model.safe_pickle` as an :class:`HFExportError` (same message)."""
+    try:
+        with safe_pickle.refusals_unwrapped():
+            yield
+    except safe_pickle.UnsafeCheckpoint as exc:
+        raise HFExportError(str(exc)) from None
 
 
 class CheckpointTensors:
@@ -62,7 +76,8 @@ class CheckpointTensors:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._metadata = _reader(self.path).read_metadata()
+        with _refused_as_export_error():
+            self._metadata = _reader(self.path).read_metadata()
         metadata = self._metadata.state_dict_metadata
         self.shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in metadata.items() if hasattr(v, "size")}
 
@@ -77,7 +92,8 @@ class CheckpointTensors:
         if missing:
             raise HFExportError(f"{self.path}: the checkpoint has no tensor(s) {missing}")
         state = {n: torch.empty(self.shapes[n][0], dtype=self.shapes[n][1]) for n in names}
-        dcp.load(state, storage_reader=_reader(self.path))
+        with _refused_as_export_error():
+            dcp.load(state, storage_reader=_reader(self.path))
         return state
 
     def layer(self, name: str, i: int) -> torch.Tensor:
@@ -100,7 +116,8 @@ class CheckpointTensors:
             with open(self.path / info.relative_path, "rb") as f:
                 f.seek(info.offset)
                 blob = f.read(info.length)
-            part = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            with _refused_as_export_error():
+                part = safe_pickle.weights_only_load(io.BytesIO(blob), self.path / info.relative_path)
             region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets[1:], chunk.sizes[1:]))
             out[region] = part.reshape(tuple(chunk.sizes))[0]
             filled += part.numel()
@@ -484,8 +501,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
         if out.exists():
             raise HFExportError(f"{out} exists; export into a new directory")
         out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=f".merge-{out.name}-", dir=out.parent) as work:
-            merged = materialize(checkpoint, Path(work) / "merged", Path(work) / "job")
+        with _job_work_dir(f".merge-{out.name}-", out.parent) as work:
+            merged = materialize(checkpoint, work / "merged", work / "job")
             return export_hf(merged, out, tokenizer, dtype, max_shard_bytes, progress)
     head = meta.get("head", "lm")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
@@ -626,9 +643,9 @@ def import_hf(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike, tp: int 
               seq_length: int | None = None, work_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Convert the HF model in ``hf_dir`` into a model checkpoint at ``checkpoint`` (must not exist), written by a
     TP x PP torchrun job (gloo on CPU, NCCL on GPUs). ``seq_length``: the training length recorded in the
-    checkpoint (default: the model's context, at most 4096). Returns the job's summary."""
-    import tempfile
-
+    checkpoint (default: the model's context, at most 4096). Returns the job's summary. The job runs in ``work_dir``
+    (default: a temporary directory, removed after a success and kept after a failure, whose error names its logs).
+    """
     from align_pipeline.config import LaunchConfig
     from align_pipeline.launch import run_torchrun
     from align_pipeline.model.hf import model_config_from_hf, read_hf_config
@@ -641,10 +658,28 @@ def import_hf(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike, tp: int 
     model_config_from_hf(hf_dir, ModelConfig(seq_length=seq_length))  # refuse unsupported models before launching
     config = {"hf_dir": str(hf_dir), "out": str(checkpoint), "seq_length": seq_length,
               "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}}
-    with tempfile.TemporaryDirectory(prefix="import-") as tmp:
-        run_dir = Path(work_dir) if work_dir else Path(tmp)
+    if work_dir:
         return run_torchrun("align_pipeline.model.import_job", config, LaunchConfig(nproc_per_node=tp * pp),
-                            run_dir, name="import")
+                            Path(work_dir), name="import")
+    with _job_work_dir("align-import-") as work:
+        return run_torchrun("align_pipeline.model.import_job", config, LaunchConfig(nproc_per_node=tp * pp),
+                            work / "job", name="import")
+
+
+@contextlib.contextmanager
+def _job_work_dir(prefix: str, parent: Path | None = None):
+    """A fresh temporary directory for a conversion job (its run directory: ``<work>/job``), removed when the block
+    succeeds. When it fails, the job's run directory (config, ``logs/``: the error names them) is kept and the rest
+    (a partial checkpoint) removed."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield work
+    except BaseException:
+        for child in work.iterdir():
+            if child.name != "job":
+                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def progress_printer(label: str, stream=None) -> Callable[[int, int], None]:
