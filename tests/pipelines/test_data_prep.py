@@ -134,8 +134,9 @@ def test_bad_parameters_fail_before_anything_runs(project):
 
 
 def test_prompts_lacking_a_field_a_reward_function_needs_fail_at_data_prep(project):
-    """math_answer needs ``answer``: a prompt without one fails here, naming file, line, field and the stage's key,
-    not mid-rollout; with the reward model alone (no functions) the same prompts pass."""
+    """math_answer (reinforce) and demo_task (the shipped ppo and evaluation reward) need ``answer``: a prompt without
+    one fails here, naming file, line, field and each stage's key, not mid-rollout; with the reward model alone (no
+    functions) the same prompts pass."""
     data = _write_small_raw(project)
     lines = [json.dumps(r) for r in data["prompts"]]
     lines[2] = json.dumps({"prompt": "What is 2 + 2?", "category": "math"})
@@ -147,7 +148,8 @@ def test_prompts_lacking_a_field_a_reward_function_needs_fail_at_data_prep(proje
         _run(project)
     err = _find(excinfo.value, DataValidationError)
     assert err is not None and 'prompts.jsonl line 3: field "answer": missing' in str(err), excinfo.value
-    assert "math_answer" in str(err) and "params:reinforce" in str(err)
+    assert "align_pipeline.rewards:demo_task (params:ppo.reward.functions[0])" in str(err)
+    assert "align_pipeline.rewards:math_answer (params:reinforce.reward.functions[0])" in str(err)
     assert _outputs_written(project) == []
 
     import yaml

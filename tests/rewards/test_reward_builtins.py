@@ -29,7 +29,7 @@ def test_demo_task_by_hand():
     assert demo_task("add: 23+45\n", "67", {"answer": "68"}) == 0.0
     assert demo_task("reverse: abcd\n", " dcba \n<pad><pad>", {"answer": None}) == 1.0  # answer from the prompt
     assert demo_task("reverse: abcd\n", "dcba", {}) == 1.0
-    assert demo_task.required_fields == ()
+    assert demo_task.required_fields == ("answer",)  # data_prep refuses prompts without one (a job never sees them)
     with pytest.raises(ValueError, match="not a demo-task prompt"):
         demo_task("What is 2+2?", "4", {"answer": None})
 

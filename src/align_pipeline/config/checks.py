@@ -23,7 +23,10 @@ Where each rule comes from (the code that fails without it):
 * RL stages: a rollout splits over DP ranks, and each rank's rows into ``minibatches`` of whole micro-batches
   (``train.core.rollout``);
 * a reward model with A > 1 outputs (multi-attribute regression) is scored with A attribute weights
-  (``reward.reward_model_attribute_weights``; ``model.sequences.rewards_forward``).
+  (``reward.reward_model_attribute_weights``; ``model.sequences.rewards_forward``);
+* a starting model a user names (``<stage>.init_from``) is a checkpoint of ours (``meta.json``) or an HF directory
+  with a ``config.json`` of a family ``model.hf`` imports (:data:`HF_MODEL_TYPES`): ``model.init.resolve``;
+* the tokenizer has no more tokens than an HF model has embedding rows (``vocab_size``): ``model.init.resolve``.
 
 Nothing here imports Kedro, Megatron or torch.
 """
@@ -46,6 +49,9 @@ GENERATING_STAGES: dict[str, str] = {
     "evaluation": "it samples responses",
 }
 """Stages that need pipeline_model_parallel_size 1 (generation runs on whole models only), and why."""
+
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+"""The ``model_type`` values of an HF ``config.json`` that ``model.hf`` imports (and exports)."""
 
 SUPERVISED_STAGES = frozenset({"sft", "reward_model", "dpo"})
 """Stages whose section has ``training`` (global batches of micro-batches)."""
@@ -127,6 +133,7 @@ def hf_arch(path: str | Path, base: ModelConfig, label: str | None = None) -> Ar
         groups = int(cfg.get("num_key_value_heads") or heads)
     except (KeyError, TypeError, ValueError, AttributeError):
         return None  # not a model the import can read: it reports that itself
+    vocab = cfg.get("vocab_size")
     where = f"{label + ' ' if label else ''}{config_path}"
     spelled = {
         "num_layers": f"{where}:num_hidden_layers",
@@ -134,8 +141,57 @@ def hf_arch(path: str | Path, base: ModelConfig, label: str | None = None) -> Ar
         "num_query_groups": f"{where}:num_key_value_heads",
         "seq_length": "params:model.seq_length",
     }
-    model = dataclasses.replace(base, num_layers=layers, num_attention_heads=heads, num_query_groups=groups)
+    model = dataclasses.replace(
+        base,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        vocab_size=vocab if isinstance(vocab, int) and vocab > 0 else None,
+    )
     return Arch(model, where, spelled, hf=True)
+
+
+def start_arch(path: str | Path, base: ModelConfig, key: str) -> Arch | None:
+    """The architecture of a starting model a user names (``key``, e.g. ``params:sft.init_from``), refusing what the
+    job's ``model.init.resolve`` would refuse after data_prep has run: no such directory, neither a checkpoint of ours
+    (``meta.json``) nor an HF directory (``config.json``), a ``config.json`` that is not JSON or whose ``model_type``
+    is not one of :data:`HF_MODEL_TYPES`. None when the sizes cannot be read (the import names the missing field)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(
+            f"{key}={str(path)!r}: no such directory (a checkpoint of this project or a Hugging Face model directory)"
+        )
+    if (path / "meta.json").is_file():
+        return checkpoint_arch(path, key)  # a checkpoint of ours; an unreadable meta.json is reported on loading
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(
+            f"{key}={path}: config.json is missing (not a Hugging Face model directory; no meta.json: "
+            "not a checkpoint of this project either)"
+        )
+    try:
+        cfg = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{config_path} ({key}) is not readable JSON: {e}") from None
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if model_type not in HF_MODEL_TYPES:
+        raise ConfigError(
+            f"model_type {model_type!r} in {config_path} ({key}) is not supported (supported: "
+            f"{', '.join(HF_MODEL_TYPES)})"
+        )
+    return hf_arch(path, base, key)
+
+
+def check_vocab(tokens: int, tokenizer: str, arch: Arch) -> None:
+    """Every token id of the tokenizer indexes an embedding row of an HF model: ``tokens`` (the tokenizer's size,
+    added tokens included) <= its ``vocab_size``. ``tokenizer`` names it (path and key). Only HF models are checked
+    (a random init takes the tokenizer's size)."""
+    rows = arch.model.vocab_size
+    if arch.hf and rows is not None and tokens > rows:
+        raise ConfigError(
+            f"tokenizer {tokenizer} has {tokens} tokens (added tokens included) but the model "
+            f"{arch.prefix} has {rows} embedding rows (vocab_size)"
+        )
 
 
 def path_arch(path: str | Path, base: ModelConfig, label: str | None = None) -> Arch | None:

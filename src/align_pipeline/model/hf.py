@@ -47,8 +47,9 @@ from typing import Any
 import torch
 
 from align_pipeline.config import ModelConfig
+from align_pipeline.config.checks import HF_MODEL_TYPES
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = HF_MODEL_TYPES  # one list, also read before any node runs (config.checks.start_arch)
 
 
 class HFConversionError(ValueError):

@@ -14,15 +14,17 @@ from align_pipeline.data.demo_task import normalize_response
 
 
 def demo_task(prompt: str, response: str, record: dict[str, Any]) -> float:
-    """1.0 when ``response`` solves the demo-task prompt (``reverse: abc`` / ``add: 12+34``), else 0.0.
+    """1.0 when ``response`` equals the record's ``answer`` (the demo task: ``reverse: abc`` / ``add: 12+34``), else
+    0.0. Same numbers as :func:`align_pipeline.data.demo_task.check`.
 
-    The record's ``answer`` is used when present; otherwise it is computed from the prompt (a prompt that is not a
-    demo-task prompt then raises ``ValueError``). Same numbers as :func:`align_pipeline.data.demo_task.check`.
+    Declares ``answer`` required: data_prep refuses a prompt without one, naming its line, instead of a job failing
+    mid-rollout on a prompt that is not a demo-task prompt. Called directly on a record without one, the answer is
+    computed from the prompt (``ValueError`` for a prompt that is not a demo-task prompt).
     """
     return float(_demo.check(prompt, response, record.get("answer")))
 
 
-demo_task.required_fields = ()
+demo_task.required_fields = ("answer",)
 
 
 def answer_text(answer: Any) -> str:
