@@ -288,6 +288,7 @@ def test_unreachable_store_turns_tracking_off_with_one_warning(project, monkeypa
     assert "MLflow tracking failed" not in caplog.text
 
 
+@pytest.mark.timeout(90)  # MLflow's own retries would take ~4 minutes per call
 def test_store_that_goes_away_during_the_run_turns_tracking_off_once(project, monkeypatch, caplog):
     hook = MlflowHook()
     hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
@@ -295,16 +296,12 @@ def test_store_that_goes_away_during_the_run_turns_tracking_off_once(project, mo
     n = PIPELINE.nodes[1]
     hook.before_node_run(node=n, inputs={})
     down = f"http://127.0.0.1:{closed_port()}"
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the failing call itself: at once, for the test
-    monkeypatch.setattr(hook, "_tracking_uri", down)
-    monkeypatch.setattr(hook, "_client", lambda: MlflowClient(down))  # the server goes away
-    try:
-        outputs = dict(zip(n.outputs, train(None, None)))
-        hook.after_node_run(node=n, outputs=outputs)  # fails, probes: tracking off
-        _save_outputs(hook, n, outputs)
-        hook.after_pipeline_run()
-    finally:
-        mlflow.set_tracking_uri(default_tracking_uri(project))  # for the fixture to end the runs left open
+    monkeypatch.setattr(hook, "_tracking_uri", down)  # the server goes away (MLflow's retries left at defaults)
+    outputs = dict(zip(n.outputs, train(None, None)))
+    hook.after_node_run(node=n, outputs=outputs)  # bounded, probes: tracking off
+    _save_outputs(hook, n, outputs)
+    hook.after_pipeline_run()
+    hook._at_exit()
     assert [r.getMessage()[:40] for r in caplog.records if r.levelno >= 30] == [f"MLflow at {down} is unreachable"[:40]]
     assert not hook._enabled and hook._node_runs == {} and hook._parent_run_id is None
 
@@ -456,3 +453,62 @@ def test_a_failed_gate_is_tagged_on_the_node_and_the_parent(project):
         assert run.data.tags["gate.failed"] == "ppo.gate.min_reward_model_accuracy"
         assert run.data.tags["gate.ppo.gate.min_reward_model_accuracy"] == "fail: 0.645 vs threshold 0.7"
     assert "gate ppo.gate.min_reward_model_accuracy failed" in children["train_ppo"].data.tags["kedro.error"]
+
+
+OWNER_SCRIPT = """
+import os, signal, sys
+from pathlib import Path
+from types import SimpleNamespace
+from kedro.pipeline import Pipeline, node
+from align_pipeline.hooks import MlflowHook
+
+project, session, end = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+work = node(len, "data", "n", name="work")
+hook = MlflowHook()
+hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
+hook.before_pipeline_run(run_params={"run_id": session}, pipeline=Pipeline([work]), catalog=None)
+hook.before_node_run(node=work, inputs={})
+print("started", flush=True)
+if end == "sigkill":
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.stdin.read()  # alive until the test lets go
+"""
+
+
+def test_next_run_marks_the_runs_of_an_ended_process_killed(project, monkeypatch):
+    """A kedro run SIGKILLed (a real second process) leaves its parent and node runs RUNNING; the next kedro run of
+    the project marks them KILLED. Runs of a process still alive, and of another project, are left alone."""
+    store = default_tracking_uri(project)
+    env = {**{k: v for k, v in os.environ.items() if k not in MLFLOW_VARS}, "MLFLOW_TRACKING_URI": store}
+    other = project / "other"
+    other.mkdir()
+
+    def owner(root: Path, session: str, end: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT, str(root), session, end], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    owners = {"killed": owner(project, "killed", "sigkill"), "alive": owner(project, "alive", "wait"),
+              "other project": owner(other, "other project", "sigkill")}  # fmt: skip
+    try:
+        for name, proc in owners.items():
+            assert proc.stdout.readline().strip() == "started", name + ": " + proc.stdout.read()
+        for name in ("killed", "other project"):
+            assert owners[name].wait(timeout=60) == -9
+        client = MlflowClient(store)
+        experiment = client.get_experiment_by_name("align-pipeline").experiment_id
+        assert {r.info.status for r in client.search_runs([experiment])} == {"RUNNING"}
+
+        _drive(MlflowHook(), project, PIPELINE, session_id="next")  # the next kedro run of the project
+        status: dict[str, list[str]] = {}
+        for run in client.search_runs([experiment]):
+            session = run.data.tags["kedro.run_id"]
+            status.setdefault(session, []).append(run.info.status)
+            if session == "killed":
+                assert "which has ended" in run.data.tags["align.closed_by"]
+                assert "kedro run next" in run.data.tags["align.closed_by"]
+        assert status == {"killed": ["KILLED"] * 2, "alive": ["RUNNING"] * 2, "other project": ["RUNNING"] * 2,
+                          "next": ["FINISHED"] * 3}  # fmt: skip
+    finally:
+        for proc in owners.values():
+            proc.kill()
+            proc.communicate()

@@ -145,7 +145,9 @@ def import_command(argv: list[str]) -> int:
 
 
 def mlflow_log_command(argv: list[str]) -> int:
-    """``mlflow-log``: a job's ``metrics.jsonl`` -> MLflow (see :func:`align_pipeline.tracking.metrics_file.relog`)."""
+    """``mlflow-log``: a job's ``metrics.jsonl`` -> MLflow (see :func:`align_pipeline.tracking.metrics_file.relog`);
+    then the runs the job was logging into that were left RUNNING are closed as KILLED
+    (:func:`align_pipeline.tracking.stale.close_runs_left_running`)."""
     import argparse
     import json
 
@@ -153,7 +155,9 @@ def mlflow_log_command(argv: list[str]) -> int:
                                      description="Log the metrics.jsonl a training job kept (params, step metrics, "
                                      "final metrics) into MLflow, with its steps and timestamps: for a run trained "
                                      "while MLflow was unreachable. Points the run already has are skipped, so it can "
-                                     "be repeated.")
+                                     "be repeated. The runs the job was logging into when MLflow went away, if still "
+                                     "RUNNING, are then marked KILLED with the last step the job logged (tag "
+                                     "align.last_step), and their kedro run too once its process has ended.")
     parser.add_argument("source", help="a model checkpoint (data/06_models/<model>/<version>/<model>), a run "
                         "directory, or a metrics.jsonl file")
     target = parser.add_mutually_exclusive_group()
@@ -168,9 +172,11 @@ def mlflow_log_command(argv: list[str]) -> int:
                         "default when run from the project directory)")
     args = parser.parse_args(argv)
 
-    from align_pipeline.tracking.metrics_file import relog, resolve
+    from align_pipeline.tracking import bounded
+    from align_pipeline.tracking.metrics_file import read_records, relog, resolve
     from align_pipeline.tracking.mlflow_logger import default_tracking_uri
     from align_pipeline.tracking.probe import unreachable
+    from align_pipeline.tracking.stale import close_runs_left_running
 
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(Path.cwd())
     try:
@@ -187,9 +193,14 @@ def mlflow_log_command(argv: list[str]) -> int:
 
     experiment = None if args.run_id else (args.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
                                            or "align-pipeline")
+    bounded.describe_kept(str(source), str(source))  # the store dying now: one line, then exit 2
+    client = MlflowClient(tracking_uri=uri)
     try:
-        summary = relog(source, MlflowClient(tracking_uri=uri), run_id=args.run_id, experiment=experiment,
+        summary = relog(source, bounded.BoundedClient(client), run_id=args.run_id, experiment=experiment,
                         run_name=args.run_name)
+        summary["closed_runs"] = close_runs_left_running(uri, client, read_records(source), str(source))
+    except bounded.TrackingOff:
+        return 2
     except MlflowException as exc:
         print(f"align-pipeline mlflow-log: {exc}", file=sys.stderr)
         return 2

@@ -12,8 +12,15 @@ experiment: ``$MLFLOW_EXPERIMENT_NAME``, else ``align-pipeline``. Browse with
 A tracking failure is logged as a warning and never fails the run. A remote store is probed once when the context is
 created (:mod:`align_pipeline.tracking.probe`, a few seconds at most); if it does not answer, the hook warns once and
 tracks nothing in this run (the jobs then get no run id, so they do not try either) and the metrics are only in the
-jobs' ``metrics.jsonl`` files, which ``align-pipeline mlflow-log`` re-logs later. Runs are tracked per thread
-(MLflow's active-run stack is thread-local), which fits the SequentialRunner (the default) and the ThreadRunner.
+jobs' ``metrics.jsonl`` files, which ``align-pipeline mlflow-log`` re-logs later. Every call to the store is bounded
+(:mod:`align_pipeline.tracking.bounded`): a store that goes away mid-run costs a few seconds once (at most 10 s),
+then tracking is off for the process with one warning, and the nodes and catalog saves go on. Runs are created and
+ended through MLflow's client, not its fluent active-run stack (whose calls cannot be bounded); the node's child run
+is named for the thread that runs the node (:func:`align_pipeline.tracking.runs.set_node_run`), which fits the
+SequentialRunner (the default) and the ThreadRunner.
+
+Every run is tagged with the process that owns it (:func:`align_pipeline.tracking.stale.owner_tags`); the next
+``kedro run`` of the project marks the RUNNING runs whose process has ended (killed, or stopped tracking) KILLED.
 
 Order of Kedro's hooks for one node (kedro 1.7, ``kedro/runner/task.py``): ``before_node_run`` -> the node function
 -> ``after_node_run`` (or ``on_node_error`` if the function raised) -> for each output ``before_dataset_saved``,
@@ -50,6 +57,8 @@ from align_pipeline.datasets import CheckpointDataset, HFModelDataset
 from align_pipeline.gates import GateFailed
 from align_pipeline.launch import multinode
 from align_pipeline.pipelines.common import RUN_DIR_CLEANUP
+from align_pipeline.tracking import bounded, runs, stale
+from align_pipeline.tracking.bounded import TrackingOff
 from align_pipeline.tracking.lineage import git_tags, lineage_tags
 from align_pipeline.tracking.mlflow_logger import (
     MAX_TAG_VALUE,
@@ -59,7 +68,7 @@ from align_pipeline.tracking.mlflow_logger import (
     numeric_items,
     param_value,
 )
-from align_pipeline.tracking.probe import unreachable, unreachable_message
+from align_pipeline.tracking.probe import unreachable
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +139,8 @@ class MlflowHook:
         self._catalog: Any = None
         self._save_version: str | None = None
         self._runtime_params: dict[str, Any] = {}
+        self._mlflow_client: Any = None
+        self._owner_tags: dict[str, str] = {}  # align.host/pid/pid_started/project of the runs this process starts
 
     # -- helpers ---------------------------------------------------------------------------------------------------
 
@@ -137,40 +148,45 @@ class MlflowHook:
     def _guard(self, what: str):
         try:
             yield
+        except TrackingOff:  # the store went away (warned once by tracking.bounded): stop calling it
+            self._tracking_off()
         except Exception as exc:  # noqa: BLE001 — by design, tracking never fails a kedro run
-            reason = unreachable(self._tracking_uri) if self._enabled and self._tracking_uri else None
-            if reason is not None:  # the server went away during the run: stop calling it (each call retries ~4 min)
-                self._tracking_off(reason, during_run=True)
-                return
             logger.warning("MLflow tracking failed in %s (the run continues): %s: %s", what, type(exc).__name__, exc)
 
-    def _tracking_off(self, reason: str, during_run: bool = False) -> None:
-        """Warn that the store is unreachable and track nothing more in this run (its open runs stay as they are)."""
+    def _tracking_off(self) -> None:
+        """Track nothing more in this run (its open runs stay as they are: the next kedro run or
+        ``align-pipeline mlflow-log`` closes them)."""
         self._enabled = False
         with self._lock:
             self._node_runs, self._parent_run_id = {}, None
-        if during_run:  # MLflow's own atexit ends the runs left on its stack: let those calls fail at once
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
-        kept = "<run dir>/metrics.jsonl of each job, copied into its model checkpoint (<checkpoint>/metrics.jsonl)"
-        uri = self._tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
-        logger.warning(unreachable_message(uri, reason, kept, f"<checkpoint> --experiment {experiment}"))
+        runs.clear_node_run()
 
-    @staticmethod
-    def _client():
+    def _client(self):
+        """The MlflowClient of this run's store (made once per store)."""
         from mlflow.tracking import MlflowClient
 
-        return MlflowClient()
+        if self._mlflow_client is None or self._mlflow_client.tracking_uri != self._tracking_uri:
+            self._mlflow_client = MlflowClient(tracking_uri=self._tracking_uri)
+        return self._mlflow_client
+
+    def _call(self, fn, *args: Any, **kwargs: Any) -> Any:
+        """One call to the store, bounded (:func:`align_pipeline.tracking.bounded.call`)."""
+        return bounded.call(self._tracking_uri, fn, *args, **kwargs)
+
+    def _start_run(self, name: str, tags: dict[str, str], parent_run_id: str | None) -> str:
+        """Create a RUNNING run with ``tags`` (and the context tags ``mlflow.start_run`` adds: user, source, ...)
+        under ``parent_run_id``; its id."""
+        from mlflow.tracking.context.registry import resolve_tags
+        from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+        tags = resolve_tags(tags)
+        if parent_run_id:
+            tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
+        run = self._call(self._client().create_run, self._experiment_id, run_name=name, tags=tags)
+        return run.info.run_id
 
     def _end(self, run_id: str, status: str) -> None:
-        """End ``run_id``: through the fluent API if it is this thread's active run, else through the client."""
-        import mlflow
-
-        active = mlflow.active_run()
-        if active is not None and active.info.run_id == run_id:
-            mlflow.end_run(status=status)
-        else:
-            self._client().set_terminated(run_id, status=status)
+        self._call(self._client().set_terminated, run_id, status=status)
 
     def _end_open_runs(self, status: str) -> None:
         """End still-open child runs, then the parent, with ``status``."""
@@ -200,7 +216,7 @@ class MlflowHook:
         items = [Param(clean_key(k), param_value(v)) for k, v in flatten(params).items()]
         client = self._client()
         for i in range(0, len(items), 100):
-            client.log_batch(run_id, params=items[i : i + 100], synchronous=True)
+            self._call(client.log_batch, run_id, params=items[i : i + 100], synchronous=True)
 
     # -- hooks -----------------------------------------------------------------------------------------------------
 
@@ -217,28 +233,34 @@ class MlflowHook:
             self._default_env = getattr(getattr(context, "config_loader", None), "default_run_env", None) or "local"
             default_uri = default_tracking_uri(self._project_path)
             uri = os.environ.get("MLFLOW_TRACKING_URI") or default_uri
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+            self._tracking_uri = uri
+            bounded.reset(uri)  # a new kedro run: the store gets a new chance
+            bounded.describe_kept(
+                "<run dir>/metrics.jsonl of each job, copied into its model checkpoint (<checkpoint>/metrics.jsonl)",
+                f"<checkpoint> --experiment {name}",
+            )
             reason = unreachable(uri)  # one short request for a remote store; a local one is never probed
             if reason is not None:
-                self._tracking_uri = uri
-                self._tracking_off(reason)
+                bounded.switch_off(uri, reason)
                 return
             os.environ["MLFLOW_TRACKING_URI"] = uri
             mlflow.set_tracking_uri(uri)
-            name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
             client = self._client()
-            experiment = client.get_experiment_by_name(name)
+            experiment = self._call(client.get_experiment_by_name, name)
             if experiment is None:
                 location = (self._project_path / "mlruns").resolve().as_uri() if uri == default_uri else None
                 try:
-                    experiment_id = client.create_experiment(name, artifact_location=location)
+                    experiment_id = self._call(client.create_experiment, name, artifact_location=location)
+                except TrackingOff:
+                    raise
                 except Exception:  # noqa: BLE001 — created meanwhile by another process
-                    experiment_id = client.get_experiment_by_name(name).experiment_id
+                    experiment_id = self._call(client.get_experiment_by_name, name).experiment_id
             else:
                 experiment_id = experiment.experiment_id
                 if experiment.lifecycle_stage == "deleted":
-                    client.restore_experiment(experiment_id)
-            mlflow.set_experiment(experiment_id=experiment_id)
-            self._tracking_uri, self._experiment_id = uri, experiment_id
+                    self._call(client.restore_experiment, experiment_id)
+            self._experiment_id = experiment_id
             self._enabled = True
 
     @hook_impl
@@ -287,32 +309,35 @@ class MlflowHook:
         RUN_DIR_CLEANUP.end()
         if not self._enabled:
             return
+        project_path = Path(run_params.get("project_path") or self._project_path or ".")
+        session = str(run_params.get("run_id") or run_params.get("session_id") or "")
+        if self._parent_run_id or self._node_runs:
+            logger.warning("MLflow: ending runs left open by a previous kedro run as KILLED")
+            self._end_open_runs("KILLED")
+        with self._guard("closing stale runs"):  # runs of this project whose process was killed or stopped tracking
+            stale.close_stale_runs(self._tracking_uri, self._client(), project_path, f"kedro run {session}")
+        if not self._enabled:
+            return
         with self._guard("before_pipeline_run"):
             import kedro
             import mlflow
 
-            if self._parent_run_id or self._node_runs:
-                logger.warning("MLflow: ending runs left open by a previous kedro run as KILLED")
-                self._end_open_runs("KILLED")
-            active = mlflow.active_run()
-            while active is not None and "kedro.run_id" in active.data.tags:  # left over by an earlier hook
-                logger.warning("MLflow: ending run %s left open by an earlier kedro run as KILLED", active.info.run_id)
-                mlflow.end_run(status="KILLED")
-                active = mlflow.active_run()
+            active = mlflow.active_run()  # a run the user started around this kedro run (no call to the store)
             if active is not None:
                 logger.warning("MLflow run %s is already active; this kedro run is nested under it", active.info.run_id)
 
             names = run_params.get("pipeline_names") or [run_params.get("pipeline_name") or "__default__"]
-            project_path = Path(run_params.get("project_path") or self._project_path or ".")
             tags = {
                 "kedro.pipeline": ",".join(names),
-                "kedro.run_id": str(run_params.get("run_id") or run_params.get("session_id") or ""),
+                "kedro.run_id": session,
                 "kedro.env": str(run_params.get("env") or self._default_env),
                 "kedro.version": str(run_params.get("kedro_version") or kedro.__version__),
                 "kedro.runner": _runner_name(run_params.get("runner")),
                 "kedro.nodes": _join(n.name for n in pipeline.nodes),
                 **git_tags(project_path),
             }
+            self._owner_tags = stale.owner_tags(project_path)
+            tags.update(self._owner_tags)
             for tag, var in (("align.sweep", "ALIGN_SWEEP"), ("align.sweep.point", "ALIGN_SWEEP_POINT")):
                 if os.environ.get(var):  # a run of `align-pipeline sweep` (align_pipeline/sweep.py)
                     tags[tag] = os.environ[var][:MAX_TAG_VALUE]
@@ -321,19 +346,18 @@ class MlflowHook:
                     tags[f"kedro.{key}"] = _join(run_params[key])
             self._runtime_params = dict(run_params.get("runtime_params") or {})
             version = self._save_version or tags["kedro.run_id"]
-            run = mlflow.start_run(
-                run_name=run_label(f"kedro:{','.join(names)}", overrides_for(self._runtime_params), version),
-                experiment_id=self._experiment_id,
-                nested=active is not None,
-                tags=tags,
+            run_id = self._start_run(
+                run_label(f"kedro:{','.join(names)}", overrides_for(self._runtime_params), version),
+                tags,
+                active.info.run_id if active is not None else None,
             )
-            self._parent_run_id, self._session_id = run.info.run_id, tags["kedro.run_id"]
+            self._parent_run_id, self._session_id = run_id, tags["kedro.run_id"]
             # The overrides under the names users type (--params dpo.loss.beta=0.3), so MLflow's table and compare
             # view work on parent runs; the node's child run has the whole sections.
             self._log_params(self._parent_run_id, {**self._runtime_params, "kedro.env": tags["kedro.env"],
                                                    "kedro.pipeline": tags["kedro.pipeline"]})
             if not self._atexit:
-                atexit.register(self._at_exit)  # runs before MLflow's own atexit (which would mark it FINISHED)
+                atexit.register(self._at_exit)  # Ctrl-C / SIGTERM: the open runs end KILLED
                 self._atexit = True
 
     @hook_impl
@@ -341,17 +365,13 @@ class MlflowHook:
         """Start the node's child run (tags: node, session id, inputs, outputs; params: its ``params:`` inputs), and
         open the deferral of run-dir clean-up for the node (in this thread, where Kedro runs the node function)."""
         RUN_DIR_CLEANUP.begin(node.name)
+        runs.clear_node_run()
         if not self._enabled or self._parent_run_id is None:
             return
         with self._guard("before_node_run"):
-            import mlflow
-
-            stale = self._node_runs.pop(node.name, None)
-            if stale:
-                self._end(stale, "KILLED")
-            active = mlflow.active_run()
-            if active is not None and active.info.run_id != self._parent_run_id:  # a child left on the stack
-                self._end(active.info.run_id, "KILLED")
+            left_open = self._node_runs.pop(node.name, None)
+            if left_open:
+                self._end(left_open, "KILLED")
             tags = {
                 "kedro.node": node.name,
                 "kedro.run_id": self._session_id,
@@ -369,26 +389,25 @@ class MlflowHook:
             }
             lineage, datasets = self._input_lineage(inputs, params)
             tags.update(lineage)
+            tags.update(self._owner_tags)
             overrides = overrides_for(self._runtime_params, set(params))
-            run = mlflow.start_run(
-                run_name=run_label(node.name, overrides, self._save_version or self._session_id),
-                experiment_id=self._experiment_id,
-                parent_run_id=self._parent_run_id,
-                nested=True,
-                tags=tags,
+            run_id = self._start_run(
+                run_label(node.name, overrides, self._save_version or self._session_id), tags, self._parent_run_id
             )
             with self._lock:
-                self._node_runs[node.name] = run.info.run_id
+                self._node_runs[node.name] = run_id
+            runs.set_node_run(self._tracking_uri, run_id)  # what the launcher hands to the torchrun job
             if params:  # one namespace: the Kedro parameter names (the jobs log no config of their own)
-                self._log_params(run.info.run_id, params)
+                self._log_params(run_id, params)
             if datasets:
-                self._client().log_inputs(run.info.run_id, datasets=datasets)
+                self._call(self._client().log_inputs, run_id, datasets=datasets)
 
     @hook_impl
     def after_node_run(self, node: Any, outputs: dict[str, Any]) -> None:
         """Log ``*_metrics`` outputs (dicts of numbers, nested keys joined with ``.``) on the child run, which stays
         open until the catalog has stored the outputs (:meth:`after_dataset_saved`)."""
         RUN_DIR_CLEANUP.end()
+        runs.clear_node_run()
         with self._lock:
             run_id = self._node_runs.get(node.name)
             if outputs:
@@ -404,14 +423,15 @@ class MlflowHook:
         model registry, with the node's lineage tags (which checkpoint version it exports, the kedro run)."""
         from mlflow.exceptions import MlflowException
 
-        tags = {k: v for k, v in client.get_run(run_id).data.tags.items() if k.startswith(("lineage.", "kedro.run"))}
+        run_tags = self._call(client.get_run, run_id).data.tags
+        tags = {k: v for k, v in run_tags.items() if k.startswith(("lineage.", "kedro.run"))}
         tags[clean_key(f"lineage.out.{name}")] = version
         try:
-            client.create_registered_model(name, tags={"align.dataset": name},
-                                           description=f"Hugging Face exports of the catalog entry {name}")
+            self._call(client.create_registered_model, name, tags={"align.dataset": name},
+                       description=f"Hugging Face exports of the catalog entry {name}")  # fmt: skip
         except MlflowException:  # already registered
             pass
-        registered = client.create_model_version(name, source=path, run_id=run_id, tags=tags)
+        registered = self._call(client.create_model_version, name, source=path, run_id=run_id, tags=tags)
         logger.info("%s: registered in MLflow's model registry as %s version %s", name, name, registered.version)
 
     def _log_node_metrics(self, run_id: str, outputs: dict[str, Any]) -> None:
@@ -422,7 +442,7 @@ class MlflowHook:
         from mlflow.entities import Metric
 
         client = self._client()
-        logged = set(client.get_run(run_id).data.metrics)
+        logged = set(self._call(client.get_run, run_id).data.metrics)
         now = int(time.time() * 1000)
         child, parent = [], []
         for name, value in outputs.items():
@@ -435,7 +455,7 @@ class MlflowHook:
                        for k, v in values.items()]
         for target, items in ((run_id, child), (self._parent_run_id, parent)):
             for i in range(0, len(items) if target else 0, 1000):
-                client.log_batch(target, metrics=items[i : i + 1000], synchronous=True)
+                self._call(client.log_batch, target, metrics=items[i : i + 1000], synchronous=True)
 
     @hook_impl
     def after_dataset_saved(self, dataset_name: str, data: Any, node: Any) -> None:
@@ -455,7 +475,7 @@ class MlflowHook:
                 client = self._client()
                 for target in (run_id, self._parent_run_id):
                     if target:
-                        client.set_tag(target, clean_key(f"lineage.out.{dataset_name}"), version)
+                        self._call(client.set_tag, target, clean_key(f"lineage.out.{dataset_name}"), version)
                 if isinstance(self._catalog.get(dataset_name), HFModelDataset):
                     self._register(client, dataset_name, version, str(where), run_id)
         with self._lock:
@@ -473,6 +493,7 @@ class MlflowHook:
     def on_node_error(self, error: Exception, node: Any) -> None:
         """Mark the node's child run and the parent FAILED (both ended); keep the node's run directory."""
         RUN_DIR_CLEANUP.end()
+        runs.clear_node_run()
         for run_dir in RUN_DIR_CLEANUP.keep(node.name):
             logger.info("%s failed: run directory %s kept (a rerun resumes from it)", node.name, run_dir)
         with self._lock:
@@ -484,16 +505,16 @@ class MlflowHook:
         if run_id is not None:
             with self._guard("on_node_error"):
                 client = self._client()
-                client.set_tag(run_id, "kedro.error", f"{type(error).__name__}: {error}"[:MAX_TAG_VALUE])
+                self._call(client.set_tag, run_id, "kedro.error", f"{type(error).__name__}: {error}"[:MAX_TAG_VALUE])
                 for key, value in gate_tags.items():
-                    client.set_tag(run_id, key, value)
+                    self._call(client.set_tag, run_id, key, value)
                 self._end(run_id, "FAILED")
         if self._parent_run_id is not None:
             with self._guard("on_node_error"):
                 client = self._client()
-                client.set_tag(self._parent_run_id, "kedro.failed_node", node.name)
+                self._call(client.set_tag, self._parent_run_id, "kedro.failed_node", node.name)
                 for key, value in gate_tags.items():
-                    client.set_tag(self._parent_run_id, key, value)
+                    self._call(client.set_tag, self._parent_run_id, key, value)
             self._end_open_runs("FAILED")
 
     @hook_impl
@@ -531,7 +552,7 @@ class MlflowHook:
         RUN_DIR_CLEANUP.keep()
         for run_id in children.values():
             with self._guard("on_pipeline_error"):
-                self._client().set_tag(run_id, "kedro.error", message)
+                self._call(self._client().set_tag, run_id, "kedro.error", message)
         if self._parent_run_id is not None:
             with self._guard("on_pipeline_error"):
                 tags = {"kedro.error": message}
@@ -539,7 +560,7 @@ class MlflowHook:
                     tags["kedro.failed_node"] = _join(unsaved)
                 client = self._client()
                 for key, value in tags.items():
-                    client.set_tag(self._parent_run_id, key, value)
+                    self._call(client.set_tag, self._parent_run_id, key, value)
         self._end_open_runs("FAILED")
 
 

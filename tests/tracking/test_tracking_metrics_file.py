@@ -15,8 +15,8 @@ from align_pipeline.__main__ import mlflow_log_command
 from align_pipeline.tracking import (
     METRICS_FILE,
     RunLogger,
+    bounded,
     default_tracking_uri,
-    mlflow_logger,
     probe,
     relog,
     unreachable,
@@ -43,7 +43,9 @@ def store(tmp_path, tmp_path_factory, monkeypatch):
         template.parent.mkdir(exist_ok=True)
         MlflowClient(default_tracking_uri(template.parent)).search_experiments()
     shutil.copy(template, tmp_path / "mlflow.db")
+    bounded.reset()  # tracking is off per process for a store that went away: each test is a new process
     yield MlflowClient(default_tracking_uri(tmp_path))
+    bounded.reset()
     mlflow.set_tracking_uri(None)
 
 
@@ -91,7 +93,6 @@ def test_the_job_file_is_in_the_run_dir_of_its_config(tmp_path):
 
 
 def test_job_with_an_unreachable_store_warns_once_keeps_metrics_and_never_retries(tmp_path, store, monkeypatch, caplog):
-    monkeypatch.setattr(mlflow_logger, "_WARNED_UNREACHABLE", False)
     uri = f"http://127.0.0.1:{closed_port()}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_RUN_ID", "0" * 32)
@@ -205,9 +206,10 @@ def test_mlflow_log_command(tmp_path, store, capsys):
     assert "unreachable" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(90)  # MLflow's own retries (left at their defaults here) would take ~4 minutes
 def test_store_that_stops_answering_during_the_run_turns_tracking_off(tmp_path, store, monkeypatch, caplog):
-    monkeypatch.setattr(mlflow_logger, "_WARNED_UNREACHABLE", False)
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the failing call itself: at once, for the test
+    for var in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT", "ALIGN_MLFLOW_CALL_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
     client = store
     run_id = client.create_run(client.create_experiment("away")).info.run_id
     path = tmp_path / METRICS_FILE
@@ -216,8 +218,64 @@ def test_store_that_stops_answering_during_the_run_turns_tracking_off(tmp_path, 
     down = f"http://127.0.0.1:{closed_port()}"
     log._client, log.tracking_uri = MlflowClient(down), down  # the server goes away
     caplog.set_level(logging.WARNING)
-    log.log_metrics({"loss": 1.0}, 1)
-    assert not log.active  # one probe, then no more attempts
+    log.log_metrics({"loss": 1.0}, 1)  # bounded: MLflow's retries are abandoned after a probe
+    assert not log.active  # no more attempts
     log.log_metrics({"loss": 0.5}, 2)
+    log.set_tags({"t": "x"})
     assert [r.getMessage()[:40] for r in caplog.records] == [f"MLflow at {down} is unreachable"[:40]]
+    assert f"--run-id {run_id}" in caplog.records[0].getMessage()
     assert [r["step"] for r in read_records(path) if r["type"] == "metrics"] == [1, 2]
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)  # fmt: skip
+    return int(proc.stdout)
+
+
+def test_mlflow_log_closes_the_runs_left_running_with_the_last_step(tmp_path, store, capsys):
+    """The server went away mid-run: the node's run and its kedro run stayed RUNNING. ``mlflow-log`` fills the node's
+    run and closes both KILLED (the node's with the job's last step and end time); a run of this process's own live
+    kedro run is left alone; a repeat closes nothing."""
+    import os
+
+    import psutil
+
+    client = store
+    experiment = client.create_experiment("left")
+    gone = {"align.host": socket.gethostname(), "align.pid": str(_dead_pid()), "align.pid_started": "1.0",
+            "align.project": str(tmp_path)}  # fmt: skip
+    parent = client.create_run(experiment, tags=gone).info.run_id
+    child = client.create_run(experiment, tags={**gone, "mlflow.parentRunId": parent}).info.run_id
+    path = tmp_path / "run" / METRICS_FILE
+    log = RunLogger(rank=0, run_id=child, tracking_uri=client.tracking_uri, metrics_file=path, system_metrics=False)
+    log.log_metrics({"loss": 1.0}, 1)
+    log.log_metrics({"loss": 0.5}, 2)
+    log._client = None  # the store went away: the file goes on
+    for step in (3, 4, 5):
+        log.log_metrics({"loss": 1.0 / step}, step)
+    log.close()
+    last = max(r["timestamp"] for r in read_records(path))
+
+    this = {**gone, "align.pid": str(os.getpid()), "align.pid_started": repr(psutil.Process().create_time())}
+    mine = client.create_run(experiment, tags=this).info.run_id  # this process: still running
+    own = tmp_path / "own" / METRICS_FILE
+    RunLogger(rank=0, run_id=mine, tracking_uri=client.tracking_uri, metrics_file=own, system_metrics=False).close()
+    assert mlflow_log_command([str(own), "--tracking-uri", client.tracking_uri, "--run-id", mine]) == 0
+    assert json.loads(capsys.readouterr().out)["closed_runs"] == []
+    assert client.get_run(mine).info.status == "RUNNING"
+
+    assert mlflow_log_command([str(path.parent), "--tracking-uri", client.tracking_uri, "--run-id", child]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["closed_runs"] == [child, parent] and summary["metrics_logged"] == 3
+    run = client.get_run(child)
+    assert run.info.status == "KILLED" and run.info.end_time == last
+    assert run.data.tags["align.last_step"] == "5" and "mlflow-log" in run.data.tags["align.closed_by"]
+    assert sorted(m.step for m in client.get_metric_history(child, "loss")) == [1, 2, 3, 4, 5]
+    assert client.get_run(parent).info.status == "KILLED"
+    assert mlflow_log_command([str(path.parent), "--tracking-uri", client.tracking_uri, "--run-id", child]) == 0
+    assert json.loads(capsys.readouterr().out)["closed_runs"] == []

@@ -1,5 +1,6 @@
-"""Rank-0 MLflow logging (and its metrics.jsonl), the tracking-store probe, system/GPU metrics and lineage tags for
-torchrun entry points (no Kedro imports)."""
+"""Rank-0 MLflow logging (and its metrics.jsonl), the tracking-store probe, bounded calls to the store (a server that
+dies costs seconds once per process), closing runs left RUNNING, system/GPU metrics and lineage tags for torchrun
+entry points (no Kedro imports)."""
 
 from align_pipeline.tracking.lineage import git_commit, git_dirty, git_tags, lineage_tags
 from align_pipeline.tracking.metrics_file import METRICS_FILE, MetricsFile, relog

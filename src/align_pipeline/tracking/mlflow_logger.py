@@ -9,8 +9,10 @@ Rank 0 also keeps everything it logs (params, step and final metrics, tags) in `
 or not MLflow is up or a run id was given (:mod:`align_pipeline.tracking.metrics_file`); the end of the run copies it
 into the model checkpoints. Before attaching, rank 0 probes a remote store once (:mod:`align_pipeline.tracking.probe`,
 a few seconds at most): if it does not answer, the job warns once and trains without MLflow instead of waiting out
-MLflow's retries; the same happens when the store stops answering during the run. Running an entry point by hand
-without ``MLFLOW_RUN_ID`` logs nothing to MLflow (the file is still written).
+MLflow's retries. Every later call is bounded (:mod:`align_pipeline.tracking.bounded`): a store that stops answering
+during the run costs a few seconds once (at most ``ALIGN_MLFLOW_CALL_TIMEOUT``, 10 s), then the job warns once and
+trains on without MLflow. Running an entry point by hand without ``MLFLOW_RUN_ID`` logs nothing to MLflow (the file
+is still written).
 
     log = RunLogger(rank)                       # every rank
     log.log_params(to_dict(cfg))                # nested keys flattened with "."
@@ -29,13 +31,14 @@ import json
 import logging
 import os
 import re
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from align_pipeline.tracking import bounded
+from align_pipeline.tracking.bounded import TrackingOff
 from align_pipeline.tracking.metrics_file import MetricsFile, job_metrics_path, now_ms
-from align_pipeline.tracking.probe import unreachable, unreachable_message
+from align_pipeline.tracking.probe import unreachable
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +60,18 @@ def default_tracking_uri(project_path: str | Path) -> str:
 
 
 def child_run_env() -> dict[str, str]:
-    """``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID`` of the active MLflow run (in this thread); ``{}`` when none.
+    """``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID`` of this thread's active run (the Kedro node's child run, else
+    MLflow's active run: :func:`align_pipeline.tracking.runs.active_run`); ``{}`` when none, or when tracking is off
+    for its store in this process (the job need not find that out again).
 
     The launcher puts these into the torchrun job's environment so its rank 0 logs into the Kedro node's run.
     """
-    mlflow = sys.modules.get("mlflow")  # not imported → no run can be active; don't pay for the import
-    if mlflow is None:
-        return {}
-    run = mlflow.active_run()
+    from align_pipeline.tracking.runs import active_run
+
+    run = active_run()
     if run is None:
         return {}
-    return {"MLFLOW_TRACKING_URI": mlflow.get_tracking_uri(), "MLFLOW_RUN_ID": run.info.run_id}
+    return {"MLFLOW_TRACKING_URI": run[0], "MLFLOW_RUN_ID": run[1]}
 
 
 def _plain(value: Any) -> Any:
@@ -138,9 +142,6 @@ def numeric_items(data: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-_WARNED_UNREACHABLE = False
-
-
 def _metrics_path(metrics_file: str | Path | bool | None) -> Path | None:
     if metrics_file is False:
         return None
@@ -188,16 +189,17 @@ class RunLogger:
             return
         path = _metrics_path(metrics_file)
         if self.run_id:
-            reason = unreachable(self.tracking_uri)
+            kept = str(path) if path is not None else "no metrics.jsonl (this process has no --config run dir)"
+            bounded.describe_kept(kept, f"{path.parent if path is not None else '<run dir>'} --run-id {self.run_id}")
+            reason = unreachable(self.tracking_uri) if bounded.off_reason(self.tracking_uri) is None else None
             if reason is not None:
-                self._tracking_off(reason, path)
-            else:
-                with self._safely("attach"):
-                    from mlflow.tracking import MlflowClient
+                bounded.switch_off(self.tracking_uri, reason)
+            with self._safely("attach"):
+                from mlflow.tracking import MlflowClient
 
-                    client = MlflowClient(tracking_uri=self.tracking_uri)
-                    client.get_run(self.run_id)  # fail now (→ warning, inactive) if the run is not there
-                    self._client = client
+                client = MlflowClient(tracking_uri=self.tracking_uri)
+                self._client = client
+                self._call(client.get_run, self.run_id)  # fail now (→ warning, inactive) if the run is not there
         if path is not None:
             self._file = MetricsFile(path, self.run_id if self._client is not None else None, self.tracking_uri)
         if (self._client is not None or self._file is not None) and system_metrics:
@@ -208,37 +210,30 @@ class RunLogger:
 
     @property
     def active(self) -> bool:
-        """True when this logger writes to MLflow (rank 0, attached to a run)."""
-        return self._client is not None
+        """True when this logger writes to MLflow (rank 0, attached to a run, its store answering)."""
+        return self._client is not None and bounded.off_reason(self.tracking_uri) is None
 
     @property
     def metrics_path(self) -> Path | None:
         """The ``metrics.jsonl`` rank 0 keeps (None on other ranks, or when it keeps none)."""
         return self._file.path if self._file is not None else None
 
-    def _tracking_off(self, reason: str, path: Path | None) -> None:
-        """Warn (once per process) that the store is unreachable and stop talking to it."""
-        self._client = None
-        global _WARNED_UNREACHABLE
-        if _WARNED_UNREACHABLE:
-            return
-        _WARNED_UNREACHABLE = True
-        kept = str(path) if path is not None else "no metrics.jsonl (this process has no --config run dir)"
-        relog = f"{path.parent if path is not None else '<run dir>'} --run-id {self.run_id}"
-        logger.warning(unreachable_message(self.tracking_uri or "", reason, kept, relog))
+    def _call(self, fn, *args, **kwargs):
+        """One MLflow call, bounded (:func:`align_pipeline.tracking.bounded.call`)."""
+        return bounded.call(self.tracking_uri, fn, *args, **kwargs)
 
     @contextlib.contextmanager
     def _safely(self, what: str):
-        """Turn any tracking error into a warning (once per kind; later ones at DEBUG): training goes on. If the
-        store has stopped answering, tracking is switched off for the rest of the run (one probe, seconds)."""
+        """Turn any tracking error into a warning (once per kind; later ones at DEBUG): training goes on. A store
+        that has stopped answering switches tracking off for the rest of the process (warned once, by
+        :mod:`~align_pipeline.tracking.bounded`)."""
         try:
             yield
+        except TrackingOff:
+            self._client = None
         except Exception as exc:  # noqa: BLE001 — by contract, tracking never fails training
-            if self._client is not None:
-                reason = unreachable(self.tracking_uri)
-                if reason is not None:
-                    self._tracking_off(reason, self.metrics_path)
-                    return
+            if what == "attach":
+                self._client = None
             if what in self._warned:
                 logger.debug("MLflow %s failed again: %s", what, exc)
                 return
@@ -260,7 +255,7 @@ class RunLogger:
                 from mlflow.entities import Param
 
                 for chunk in _chunks([Param(k, v) for k, v in items.items()], _PARAMS_PER_BATCH):
-                    self._client.log_batch(self.run_id, params=chunk, synchronous=True)
+                    self._call(self._client.log_batch, self.run_id, params=chunk, synchronous=True)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Log numeric metrics at ``step`` in one batch; nested keys flattened, non-numbers dropped."""
@@ -276,7 +271,7 @@ class RunLogger:
 
                 items = [Metric(key, value, now, step) for key, value in values.items()]
                 for chunk in _chunks(items, _METRICS_PER_BATCH):
-                    self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+                    self._call(self._client.log_batch, self.run_id, metrics=chunk, synchronous=True)
 
     def log_system_metrics(self, step: int | None = None) -> dict[str, float]:
         """Sample CPU %, process RSS, system memory and (with NVML) GPU utilisation/memory/power; log them at
@@ -302,7 +297,7 @@ class RunLogger:
                 from mlflow.entities import RunTag
 
                 for chunk in _chunks([RunTag(k, v) for k, v in values.items()], _TAGS_PER_BATCH):
-                    self._client.log_batch(self.run_id, tags=chunk, synchronous=True)
+                    self._call(self._client.log_batch, self.run_id, tags=chunk, synchronous=True)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file, or a directory's contents, to the run's artifacts (under ``artifact_path``)."""
@@ -311,9 +306,9 @@ class RunLogger:
         with self._safely("log_artifact"):
             path = Path(path)
             if path.is_dir():
-                self._client.log_artifacts(self.run_id, str(path), artifact_path)
+                self._call(self._client.log_artifacts, self.run_id, str(path), artifact_path)
             else:
-                self._client.log_artifact(self.run_id, str(path), artifact_path)
+                self._call(self._client.log_artifact, self.run_id, str(path), artifact_path)
 
     def copy_metrics_to(self, directory: str | Path) -> Path | None:
         """Copy ``metrics.jsonl`` into ``directory`` (a model checkpoint the job exports); the copy's path or None."""
