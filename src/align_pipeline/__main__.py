@@ -46,12 +46,13 @@ def export_command(argv: list[str]) -> int:
                         help="--peft: base_model_name_or_path to record (default: the base checkpoint's path)")
     args = parser.parse_args(argv)
 
-    from align_pipeline.model.hf_export import HFExportError, export_hf, export_peft, progress_printer
+    from align_pipeline.errors import UserError
+    from align_pipeline.model.hf_export import export_hf, export_peft, progress_printer
 
     if args.peft:
         try:
             summary = export_peft(args.checkpoint, args.hf_dir, base_model=args.base_model)
-        except (HFExportError, FileNotFoundError) as exc:
+        except (UserError, FileNotFoundError) as exc:  # HFExportError and a refused checkpoint are UserErrors
             print(f"align-pipeline export: {exc}", file=sys.stderr)
             return 2
         print(f"align-pipeline export: PEFT adapter ({', '.join(summary['target_modules'])}; {summary['params']:,} "
@@ -64,7 +65,7 @@ def export_command(argv: list[str]) -> int:
         summary = export_hf(args.checkpoint, args.hf_dir, tokenizer=args.tokenizer, dtype=args.dtype,
                             max_shard_bytes=int(args.max_shard_gb * 1024**3),
                             progress=progress_printer("align-pipeline export"))
-    except (HFExportError, FileNotFoundError) as exc:
+    except (UserError, FileNotFoundError) as exc:
         print(f"align-pipeline export: {exc}", file=sys.stderr)
         return 2
     summary["seconds"] = round(time.perf_counter() - t0, 2)
@@ -88,6 +89,7 @@ def _peak_rss_gib() -> float | None:
 def _report(summary: dict, checkpoint: str, hf_dir: str, tol: float | None) -> int:
     """Print the summary as one JSON line; with a tolerance, first run the parity check (exit 1 above it)."""
     import json
+    import shutil
     import tempfile
 
     if tol is None:
@@ -96,12 +98,13 @@ def _report(summary: dict, checkpoint: str, hf_dir: str, tol: float | None) -> i
     from align_pipeline.launch import LaunchError
     from align_pipeline.model.hf_export import HFExportError, check_parity
 
-    with tempfile.TemporaryDirectory(prefix="align-check-") as work:
-        try:
-            summary["max_abs_logit_diff"] = check_parity(checkpoint, hf_dir, work)
-        except (LaunchError, HFExportError) as exc:
-            print(f"align-pipeline --check: {exc}", file=sys.stderr)
-            return 2
+    work = tempfile.mkdtemp(prefix="align-check-")
+    try:
+        summary["max_abs_logit_diff"] = check_parity(checkpoint, hf_dir, work)
+    except (LaunchError, HFExportError) as exc:  # the job's logs stay in `work`, which the error names
+        print(f"align-pipeline --check: {exc}", file=sys.stderr)
+        return 2
+    shutil.rmtree(work, ignore_errors=True)
     summary["tolerance"] = tol
     print(json.dumps(summary))
     print(f"max |dlogit| = {summary['max_abs_logit_diff']:.3g} (tolerance {tol:g})", file=sys.stderr)
@@ -129,14 +132,15 @@ def import_command(argv: list[str]) -> int:
     parser.add_argument("--tol", type=float, default=1e-4, help="--check tolerance (fp32)")
     args = parser.parse_args(argv)
 
+    from align_pipeline.errors import UserError
     from align_pipeline.launch import LaunchError
     from align_pipeline.model.hf import HFConversionError
-    from align_pipeline.model.hf_export import HFExportError, import_hf
+    from align_pipeline.model.hf_export import import_hf
 
     t0 = time.perf_counter()
     try:
         result = import_hf(args.hf_dir, args.checkpoint, tp=args.tp, pp=args.pp, seq_length=args.seq_length)
-    except (HFExportError, HFConversionError, FileNotFoundError, LaunchError) as exc:
+    except (UserError, HFConversionError, FileNotFoundError, LaunchError) as exc:
         print(f"align-pipeline import: {exc}", file=sys.stderr)
         return 2
     summary = {"out_dir": result["out"], "family": result["model"]["hf_family"], "vocab_size": result["vocab_size"],
