@@ -4,19 +4,27 @@
 dataset, a busy run directory (:class:`align_pipeline.errors.UserError` and Kedro's ``DatasetError``) – ends with
 its message printed once and exit code 2, without a traceback; ``--traceback`` (or ``ALIGN_TRACEBACK=1``) shows it.
 Any other exception is a bug and keeps its traceback.
+
+Before Kedro starts a session, the names given to ``--pipelines`` / ``--pipeline``, ``--nodes``, ``--from-nodes``,
+``--to-nodes`` and ``--tags`` are checked against the registered pipelines (:func:`check_selection`): a name that
+is not there is such a user error, with the closest names, e.g. ``--pipelines: unknown pipeline 'dpoo' (did you
+mean 'dpo'?); pipelines: data_prep, dpo, ...`` (Kedro's own errors for them are 40-75-line tracebacks).
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import click
 from kedro.framework.cli.project import run as kedro_run
 from kedro.io import DatasetError
+from kedro.pipeline import Pipeline
 
 from align_pipeline.errors import UserError
 
@@ -42,6 +50,78 @@ class _DropNodeErrorLog(logging.Filter):
         return True
 
 
+def _closest(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'dpo'?)`` with up to three close names from ``known``, or ''."""
+    matches = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(m) for m in matches)}?)" if matches else ""
+
+
+def _holders(name: str, registered: Mapping[str, Pipeline], has: str) -> list[str]:
+    """The registered pipelines (``__default__`` last) with a node named ``name`` (``has="node"``) or tagged ``name``
+    (``has="tag"``)."""
+    found = [p for p, pipe in registered.items()
+             if any(n.name == name if has == "node" else name in n.tags for n in pipe.nodes)]  # fmt: skip
+    return sorted(found, key=lambda p: (p == "__default__", p))
+
+
+def check_selection(
+    registered: Mapping[str, Pipeline],
+    pipelines: Iterable[str],
+    nodes: Mapping[str, Iterable[str]],
+    tags: Iterable[str],
+    pipelines_option: str = "--pipelines",
+) -> None:
+    """Raise a :class:`UserError` for a pipeline name that is not registered, or a node name (``nodes``: option ->
+    names, e.g. ``{"--nodes": [...], "--from-nodes": [...]}``) or tag that no node of the selected pipelines (the
+    default pipeline when ``pipelines`` is empty) has; the message names the option, the closest names and the ones
+    there are."""
+    pipelines = list(pipelines)
+    for name in pipelines:
+        if name not in registered:
+            listed = ", ".join(sorted(p for p in registered if p != "__default__"))
+            raise UserError(f"{pipelines_option}: unknown pipeline {name!r}{_closest(name, registered)}; pipelines: "
+                            f"{listed}")  # fmt: skip
+    chosen = pipelines or ["__default__"]
+    run = "the default pipeline" if not pipelines else f"pipeline{'s' * (len(chosen) > 1)} {', '.join(chosen)}"
+    selected = sum((registered[p] for p in chosen), Pipeline([]))
+    for option, names in [*nodes.items(), ("--tags", tags)]:
+        has = "tag" if option == "--tags" else "node"
+        known = sorted(
+            {t for n in selected.nodes for t in n.tags} if has == "tag" else {n.name for n in selected.nodes}
+        )
+        for name in names:
+            if name in known:
+                continue
+            elsewhere = _holders(name, registered, has)
+            if elsewhere:
+                raise UserError(f"{option}: no {has} {name!r} in {run}; it is in pipeline{'s' * (len(elsewhere) > 1)} "
+                                f"{', '.join(elsewhere)} (add --pipelines {elsewhere[0]})")  # fmt: skip
+            raise UserError(f"{option}: unknown {has} {name!r}{_closest(name, known)}; {has}s of {run}: "
+                            f"{', '.join(known)}")  # fmt: skip
+
+
+def _check_run_options(kwargs: dict[str, Any]) -> None:
+    """:func:`check_selection` on ``kedro run``'s parsed options (lists, comma-separated values already split by
+    Kedro's option callbacks), against the project's registered pipelines."""
+    from kedro.framework.project import pipelines as registry
+
+    registered = dict(registry.items())
+    if not registered:
+        return  # no project configured: Kedro reports that itself
+    names = [kwargs["pipeline"]] if kwargs.get("pipeline") else list(kwargs.get("pipelines") or [])
+    if kwargs.get("pipeline") and kwargs.get("pipelines"):
+        return  # Kedro refuses the pair itself, in one line
+    nodes = {option: kwargs.get(key) or [] for option, key in
+             (("--nodes", "node_names"), ("--from-nodes", "from_nodes"), ("--to-nodes", "to_nodes"))}  # fmt: skip
+    check_selection(
+        registered,
+        names,
+        nodes,
+        kwargs.get("tags") or [],
+        "--pipeline" if kwargs.get("pipeline") else "--pipelines",
+    )
+
+
 def _run(traceback: bool, **kwargs: Any) -> Any:
     traceback = traceback or os.environ.get("ALIGN_TRACEBACK", "") not in ("", "0")
     quiet = _DropNodeErrorLog()
@@ -49,6 +129,7 @@ def _run(traceback: bool, **kwargs: Any) -> Any:
     if not traceback:
         node_logger.addFilter(quiet)
     try:
+        _check_run_options(kwargs)
         return kedro_run.callback(**kwargs)
     except USER_ERRORS as exc:
         if traceback:
@@ -81,4 +162,4 @@ def cli() -> None:
 
 cli.add_command(run)
 
-__all__ = ["USER_ERRORS", "USER_ERROR_EXIT", "cli", "run"]
+__all__ = ["USER_ERRORS", "USER_ERROR_EXIT", "check_selection", "cli", "run"]

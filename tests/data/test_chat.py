@@ -159,3 +159,71 @@ def test_template_errors_name_file_and_line(hf_dirs):
     encode(_raw("sft", [{"input": "q", "output": "a"}]), forgetful, 64)  # one turn is fine
     with pytest.raises(DataValidationError, match=r"line 1: .*renders assistant turn 1 differently"):
         encode(_raw("sft", [NO_SYSTEM]), forgetful, 128)
+
+
+BROKEN = "{%- for m in messages %}\n{{ m['content'] }}\n{{ m['role'] | shout }}\n{%- endfor %}"  # line 3: no filter
+
+
+def _copy_without_template(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    (dst / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    return dst, config
+
+
+def test_template_that_does_not_compile_names_its_source_and_line(hf_dirs, tmp_path, monkeypatch):
+    from align_pipeline.config.base import ConfigError, from_dict
+    from align_pipeline.data.chat import ChatTemplateError
+    from align_pipeline.data.tokenizer import load_hf_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    # chat_template.jinja (what transformers writes today)
+    jinja, _ = _copy_without_template(hf_dirs["chatml"], tmp_path / "jinja")
+    (jinja / "chat_template.jinja").write_text(BROKEN)
+    with pytest.raises(ChatTemplateError) as excinfo:
+        load_tokenizer(jinja)
+    assert str(excinfo.value) == "chat template in jinja/chat_template.jinja: line 3: No filter named 'shout'."
+    # tokenizer_config.json's chat_template: a string, or a list of named templates
+    config_dir, config = _copy_without_template(hf_dirs["chatml"], tmp_path / "config")
+    (config_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% if %}"}))
+    with pytest.raises(ChatTemplateError, match=r'^chat template in config/tokenizer_config\.json \("chat_template"\): '
+                       r"line 1: Expected an expression, got 'end of statement block'$"):  # fmt: skip
+        load_hf_tokenizer(config_dir)
+    named = [{"name": "default", "template": BROKEN}, {"name": "tool_use", "template": "{{ messages }}"}]
+    (config_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named}))
+    with pytest.raises(ChatTemplateError, match=r'tokenizer_config\.json \("chat_template", "default"\): line 3: '):
+        load_hf_tokenizer(config_dir)
+    # chat_template.json (processors)
+    (config_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    (config_dir / "chat_template.json").write_text(json.dumps({"chat_template": BROKEN}))
+    with pytest.raises(ChatTemplateError, match=r'^chat template in config/chat_template\.json \("chat_template"\): line 3'):
+        load_hf_tokenizer(config_dir)
+    # data_prep.tokenizer.chat_template: refused when the parameters are validated, naming the key
+    (tmp_path / "mine.jinja").write_text(BROKEN)
+    with pytest.raises(ConfigError) as excinfo:
+        from_dict(TokenizerConfig, {"chat_template": "mine.jinja"}, "params:data_prep.tokenizer")
+    assert str(excinfo.value) == ("chat template in mine.jinja (params:data_prep.tokenizer.chat_template): line 3: "
+                                  "No filter named 'shout'.")  # fmt: skip
+
+
+def test_rendering_errors_name_the_template_line_and_the_record(hf_dirs, tmp_path, monkeypatch):
+    from align_pipeline.data.tokenizer import with_chat_template
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "strict.jinja").write_text(
+        "{%- for m in messages %}\n{{ m['content'] }}\n"
+        "{%- if m['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}\n"
+        "{{ m['missing']['deeper'] }}{%- endfor %}"
+    )
+    tok = with_chat_template(load_tokenizer(hf_dirs["chatml"]), "strict.jinja")
+    with pytest.raises(DataValidationError) as excinfo:
+        encode(_raw("sft", [CONVERSATION]), tok, 128)
+    assert str(excinfo.value) == ('data/01_raw/sft.jsonl line 1: field "conversations": chat template in strict.jinja: '
+                                  "line 3: no system turns")  # fmt: skip
+    with pytest.raises(DataValidationError) as excinfo:
+        encode(_raw("sft", [NO_SYSTEM]), tok, 128)
+    assert str(excinfo.value).endswith("chat template in strict.jinja: line 4: 'dict object' has no attribute 'missing'")

@@ -104,3 +104,28 @@ def test_shipped_raw_files_are_valid():
     assert len(read_raw_jsonl(raw / "sft.jsonl", "sft")) == 4000
     assert len(read_raw_jsonl(raw / "preference.jsonl", "preference")) == 2000
     assert len(read_raw_jsonl(raw / "prompts.jsonl", "prompts")) == 800
+
+
+@pytest.mark.parametrize(
+    "kind, line, field, code",
+    [
+        ("sft", r'{"input": "a", "output": "x\ud800y"}', "output", "D800"),
+        ("sft", r'{"conversations": [{"from": "User", "value": "hi"}, {"from": "Assistant", "value": "\uDC00"}]}',
+         "conversations[1].value", "DC00"),
+        ("preference", r'{"prompt": "p\udbff", "chosen_response": "a", "rejected_response": "b"}', "prompt", "DBFF"),
+        ("prompts", r'{"prompt": "p", "meta": {"tags": ["ok", "\ud800"]}}', "meta.tags[1]", "D800"),
+    ],
+)
+def test_lone_surrogate_is_refused_naming_file_line_and_field(tmp_path, kind, line, field, code):
+    """A JSON ``\\ud800`` escape without its pair decodes to a string no UTF-8 text (and no tokenizer) can hold."""
+    good = {"sft": GOOD_SFT, "preference": {"prompt": "p", "chosen_response": "a", "rejected_response": "b"},
+            "prompts": {"prompt": "p"}}[kind]  # fmt: skip
+    path = _write(tmp_path / "x.jsonl", [good, good, line])
+    with pytest.raises(DataValidationError) as excinfo:
+        read_raw_jsonl(path, kind, source="data/01_raw/x.jsonl")
+    assert str(excinfo.value) == f'data/01_raw/x.jsonl line 3: field "{field}": invalid Unicode (lone surrogate U+{code})'
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_fine(tmp_path):
+    path = _write(tmp_path / "x.jsonl", [r'{"input": "a", "output": "\ud83d\ude00 and \\ud800"}'])
+    assert read_raw_jsonl(path, "sft").records[0]["output"] == "\U0001f600 and \\ud800"

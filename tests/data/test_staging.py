@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align_pipeline.data.formats import ArrayBundle, RecordBundle, load_artifact, load_npz, save_npz
+from align_pipeline.data.formats import ArrayBundle, RecordBundle, load_artifact, load_npz, save_npz, sidecar_path
 from align_pipeline.data.staging import OutputsNotWritten, StagedWrites, close_group, current_group, open_group
 from align_pipeline.data.tokenizer import load_tokenizer, train_tokenizer
 
@@ -108,17 +108,61 @@ def test_rename_failing_half_way_restores_previous_set(tmp_path, immutable):
     assert staging.state == "aborted" and _hidden(tmp_path) == []
 
 
-def test_leftovers_of_dead_processes_are_removed(tmp_path):
+def _leftover_names(final: str, ident: str) -> list[str]:
+    """What a writer ``ident`` killed while staging / committing ``final`` (with its sidecar) leaves, named as
+    StagedWrites, atomic_open (formats.py) and TextTokenizer.save name them."""
+    return [
+        f".{final}.{ident}.staged",  # a staged write
+        f".{final}.{ident}.staged.meta.json",  # its sidecar
+        f"..{final}.{ident}.staged.k3j_9x0q.tmp",  # atomic_open's temp file of the staged write
+        f"..{final}.{ident}.staged.meta.json.q1w2e3r4.tmp",  # ... of the staged sidecar
+        f".{final}.{ident}.old",  # commit's backup of the previous version
+        f".{final}.meta.json.{ident}.old",  # ... of its sidecar
+    ]
+
+
+def test_leftovers_of_gone_writers_are_removed_and_live_ones_kept(tmp_path):
     final = tmp_path / "a.npz"
-    dead = _dead_pid()
-    stale = tmp_path / f".a.npz.{dead}-0000.staged"
-    stale_meta = tmp_path / f".a.npz.{dead}-0000.staged.meta.json"
-    alive = tmp_path / f".a.npz.{os.getpid()}-1111.staged"
-    for p in (stale, stale_meta, alive):
-        p.write_text("x")
-    staging = StagedWrites("test outputs")
-    _stage_text(staging, final, "new")
-    assert not stale.exists() and not stale_meta.exists() and alive.exists()
+    final.write_text("old")
+    sleeper = subprocess.Popen(["sleep", "60"])  # a live writer (another process)
+    try:
+        gone = {"dead": f"{_dead_pid()}-0000abcd", "reused": f"{os.getpid()}-0000beef"}  # reused: this pid, not our id
+        live = f"{sleeper.pid}-1111abcd"
+        for ident in [*gone.values(), live]:
+            for name in _leftover_names("a.npz", ident):
+                (tmp_path / name).write_text("x")
+        unrelated = [".a.npz.notes", f".b.npz.{gone['dead']}.old", "a.npz.meta.json.bak"]
+        for name in unrelated:
+            (tmp_path / name).write_text("x")
+
+        staging = StagedWrites("test outputs")
+        staged = staging.staged_path(final)
+        pairs = [(staged, final), (sidecar_path(staged), sidecar_path(final))]
+        staging.stage(pairs, lambda: [p.write_text("new") for p, _ in pairs])
+        backups = {f".a.npz.{i}.old" for i in gone.values()} | {f".a.npz.meta.json.{i}.old" for i in gone.values()}
+        # staging removes staged writes and temp files; backups stay until a new version is in place
+        assert {p.name for p in tmp_path.iterdir() if gone["dead"] in p.name or gone["reused"] in p.name} == backups | {
+            f".b.npz.{gone['dead']}.old"
+        }
+        staging.commit()
+        assert final.read_text() == "new" and sidecar_path(final).read_text() == "new"
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == sorted(["a.npz", "a.npz.meta.json", *unrelated, *_leftover_names("a.npz", live)])
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_tokenizer_save_removes_leftovers_of_a_killed_save(tmp_path):
+    tok_dir = tmp_path / "tok"
+    train_tokenizer(["abc"]).save(tok_dir)
+    dead = f"{_dead_pid()}-0000abcd"
+    for name in (f".tok.{dead}.tmp", f".tok.{dead}.old", f"..tok.{dead}.staged.{dead}.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer.json").write_text("{}")
+    train_tokenizer(["abcd"]).save(tok_dir)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]
+    assert load_tokenizer(tok_dir).vocab_size == train_tokenizer(["abcd"]).vocab_size
 
 
 def _dead_pid() -> int:

@@ -54,3 +54,64 @@ def test_bad_parameter_ends_with_one_message_naming_the_key(project):
     assert done.returncode == 2, out
     assert out.count("params:data_prep.seed: expected an integer, got 'abc'") == 1, out
     assert "Traceback" not in out and "╭" not in out, out
+
+
+def _one_error(done: subprocess.CompletedProcess, message: str, max_lines: int = 60) -> None:
+    """Exit code 2, ``message`` printed once as the one error line, nothing of a traceback (Python's or rich's), at
+    most ``max_lines`` lines in all (the run's own log lines included)."""
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out
+    assert out.count(message) == 1, out
+    assert "Traceback" not in out and "╭" not in out, out
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and errors[0].endswith(message), done.stderr
+    assert len(out.splitlines()) <= max_lines, out
+
+
+def test_unknown_pipeline_and_node_end_with_one_line_and_the_closest_names(project):
+    done = _kedro(project, "--pipelines", "data_prep,dpoo")
+    _one_error(done, "--pipelines: unknown pipeline 'dpoo' (did you mean 'dpo' or 'dpo_flow'?); pipelines: data_prep, "
+                     "dpo, dpo_evaluation, dpo_flow, evaluation, export, ppo, regression_data, reinforce, reinforce_rm, "
+                     "reward_model, rlhf, sft, steerlm_reward_model", max_lines=4)  # fmt: skip
+    assert not (project / "mlflow.db").exists()  # refused before Kedro opened a session (and the MLflow hook a run)
+
+    done = _kedro(project, "--nodes", "train_dp")
+    _one_error(done, "--nodes: unknown node 'train_dp' (did you mean 'train_dpo' or 'train_ppo' or 'train_sft'?); "
+                     "nodes of the default pipeline: compute_reference_logps, evaluate_policies, fit_tokenizer, "
+                     "tokenize_and_split, train_dpo, train_ppo, train_reinforce, train_reward_model, train_sft, "
+                     "validate_raw_data", max_lines=4)  # fmt: skip
+
+
+def test_chat_template_that_does_not_compile_names_file_key_and_line(project):
+    (project / "templates").mkdir()
+    (project / "templates" / "chat.jinja").write_text(
+        "{% for m in messages %}\n{{ m.role }}: {{ m.content }}\n{{ m.content | shout }}\n{% endfor %}"
+    )
+    (project / "conf" / "local" / "parameters_data_prep.yml").write_text(
+        "data_prep:\n  tokenizer:\n    chat_template: templates/chat.jinja\n"
+    )
+    done = _kedro(project, "--pipelines", "data_prep")
+    _one_error(done, "chat template in templates/chat.jinja (params:data_prep.tokenizer.chat_template): line 3: "
+                     "No filter named 'shout'.")  # fmt: skip
+
+    # One that compiles but raises while rendering a record: the record's file, line and field, then the template's.
+    (project / "templates" / "chat.jinja").write_text(
+        "{% for m in messages %}\n{{ m.content }}\n"
+        "{% if 'Z' in m.content %}{{ raise_exception('no Z in a message') }}{% endif %}{% endfor %}"
+    )
+    sft = project / "data" / "01_raw" / "sft.jsonl"
+    lines = sft.read_text().splitlines()
+    lines[2] = '{"input": "add: 1+1\\n", "output": "Z"}'
+    sft.write_text("\n".join(lines) + "\n")
+    done = _kedro(project, "--pipelines", "data_prep")
+    _one_error(done, 'data/01_raw/sft.jsonl line 3: field "output": chat template in templates/chat.jinja: line 3: '
+                     "no Z in a message")  # fmt: skip
+
+
+def test_lone_surrogate_in_the_data_is_refused_naming_file_line_and_field(project):
+    sft = project / "data" / "01_raw" / "sft.jsonl"
+    lines = sft.read_text().splitlines()
+    lines[6] = '{"input": "add: 1+1\\n", "output": "2\\ud800"}'  # the JSON escape of a lone surrogate, as written
+    sft.write_text("\n".join(lines) + "\n")
+    done = _kedro(project, "--pipelines", "data_prep")
+    _one_error(done, 'data/01_raw/sft.jsonl line 7: field "output": invalid Unicode (lone surrogate U+D800)')

@@ -5,6 +5,8 @@
 * A mixed set (a tokenizer from one run, arrays from another: what the old one-by-one saving left behind) is refused
   by ``check_tokenized_with``.
 * Dubious records are counted in data_prep_metrics, and ``dubious: refuse`` stops the run before anything is written.
+* A data_prep process SIGKILLed while staging or mid-commit leaves temp files, staged writes and ``.old`` backups; the
+  next run's commit removes them all.
 
 Failures are real, as root: a read-only bind mount (``mount -o remount,ro,bind``; chmod does not stop root) or, where
 mounting is not allowed, ``chattr +i`` on the directory; ``chattr +i`` on one output file for the rename. Tests skip
@@ -16,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -256,3 +260,60 @@ def test_dubious_counted_by_default_and_refused_on_request(project):
     assert "preference.jsonl line 21 (= line 1): exact duplicate of an earlier line" in msg
     assert "preference.jsonl line 3: chosen_response is identical to rejected_response" in msg
     assert _files(project) == []
+
+
+# A data_prep run in its own process, SIGKILLed (a real kill -9, as the OOM killer sends it) at the k-th rename of
+# one phase: "stage" = a temp file/directory becoming a staged write (killed just before it: the temp is left),
+# "commit" = a staged write becoming the final output (killed after the final was moved to its .old backup).
+KILLED_RUN = """
+import os, signal, sys
+from pathlib import Path
+
+phase, k = sys.argv[1], int(sys.argv[2])
+real_replace, seen = os.replace, [0]
+
+
+def replace(src, dst, *args, **kwargs):
+    src_name, dst_name = Path(src).name, Path(dst).name
+    if phase == "stage":
+        hit = src_name.endswith(".tmp") and ".staged" in dst_name
+    else:
+        hit = ".staged" in src_name and not dst_name.startswith(".")
+    seen[0] += hit
+    if hit and seen[0] == k:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_replace(src, dst, *args, **kwargs)
+
+
+os.replace = replace
+from kedro.framework.session import KedroSession
+from kedro.framework.startup import bootstrap_project
+
+bootstrap_project(Path.cwd())
+with KedroSession.create(project_path=Path.cwd()) as session:
+    session.run(pipeline_names=["data_prep"])
+"""
+
+
+def _killed_run(project: Path, phase: str, k: int) -> list[str]:
+    """Run data_prep in a child process SIGKILLed at the ``k``-th rename of ``phase``; returns the hidden files left."""
+    done = subprocess.run([sys.executable, "-c", KILLED_RUN, phase, str(k)], cwd=project, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    return [f for f in _files(project) if Path(f).name.startswith(".")]
+
+
+def test_leftovers_of_a_data_prep_killed_mid_write_are_removed_by_the_next_run(project):
+    _run(project)
+    staged = _killed_run(project, "stage", 3)  # killed while writing the third staged file
+    assert any(Path(f).name.endswith(".tmp") and ".staged" in f for f in staged), staged
+    committing = _killed_run(project, "commit", 3)  # killed mid-commit: two outputs replaced, the third moved away
+    assert any(Path(f).name.endswith(".old") for f in committing), committing
+    assert not (project / "data" / "05_model_input" / "sft_val.npz").exists()  # its previous version: a backup
+
+    _run(project)
+    assert [f for f in _files(project) if Path(f).name.startswith(".")] == []
+    state = _state(project)
+    assert all(v == state["tokenizer"] for k, v in state.items() if k.endswith(".tokenizer"))
+    tokenizer, arts = _catalog_artifacts(project)
+    check_tokenized_with(tokenizer, **arts)

@@ -12,9 +12,16 @@ drops the reasoning of past turns) is refused with a :class:`ChatTemplateError` 
 tokens. The text is then tokenized once, with character offsets, and a token is an assistant token when it starts
 inside an assistant span.
 
-    template = ChatTemplate(source, special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    template = ChatTemplate(source, special_tokens={"bos_token": "<s>", "eos_token": "</s>"},
+                            origin="models/qwen/chat_template.jinja")
     text, spans = template.render_with_spans(messages)       # spans: [(start, end)] of assistant turns, in chars
     prompt = template.render(messages[:1], add_generation_prompt=True)
+
+A template is compiled when it is loaded. Every problem – one that does not compile (a syntax error, an unknown
+filter), or one raised while rendering (``raise_exception(...)``, an undefined variable) – is a
+:class:`ChatTemplateError` (a user error) naming where the template came from and its line:
+``chat template in models/qwen/chat_template.jinja: line 3: No filter named 'foo'.``; data_prep adds the record's
+file, line and field to a rendering error.
 
 Records become messages with :func:`sft_messages` (NeMo-Aligner ``conversations`` / ``input``+``output``) and
 :func:`prompt_messages`. Nothing here imports torch or Kedro.
@@ -27,11 +34,41 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
+from align_pipeline.errors import UserError
+
 ROLE_OF = {"User": "user", "Assistant": "assistant"}
 
 
-class ChatTemplateError(ValueError):
-    """The template cannot render a record (it raised, or it renders a turn differently when turns follow)."""
+class ChatTemplateError(UserError, ValueError):
+    """The template does not compile, or cannot render a record (it raised, or it renders a turn differently when
+    turns follow); the message names the template's origin and line."""
+
+
+def _template_line(exc: BaseException) -> int | None:
+    """The template line of a Jinja error: a syntax error carries it; a rendering error has it in the traceback
+    frames Jinja rewrites to point at the template (``<template>``), innermost last."""
+    line = getattr(exc, "lineno", None)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def _problem(origin: str, exc: BaseException) -> str:
+    """``chat template in <origin>: line <n>: <what Jinja says>``."""
+    import jinja2
+
+    line = _template_line(exc)
+    where = f"chat template in {origin}" + (f": line {line}" if line else "")
+    if isinstance(exc, jinja2.TemplateSyntaxError):
+        what = exc.message or type(exc).__name__
+    elif isinstance(exc, jinja2.TemplateError) and str(exc):  # raise_exception(...), undefined variables
+        what = str(exc)
+    else:
+        what = f"{type(exc).__name__}: {exc}"
+    return f"{where}: {what}"
 
 
 @lru_cache(maxsize=8)
@@ -71,13 +108,16 @@ def _compile(source: str):
 class ChatTemplate:
     """An HF chat template plus the special-token strings it may refer to (``bos_token``, ``eos_token``, ...)."""
 
-    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None, origin: str = "(inline)"):
         self.source = source
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self.origin = origin
+        """Where the template came from, as messages name it: a file (``.../chat_template.jinja``), a JSON file and
+        key (``.../tokenizer_config.json ("chat_template")``), a parameter."""
         try:
             _compile(source)
-        except Exception as exc:  # noqa: BLE001 - jinja's syntax errors and the like
-            raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - jinja's syntax errors, unknown filters and the like
+            raise ChatTemplateError(_problem(origin, exc)) from None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         """The template's text for ``messages`` (``[{"role", "content"}, ...]``)."""
@@ -86,7 +126,7 @@ class ChatTemplate:
                 messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
             )
         except Exception as exc:  # noqa: BLE001 - raise_exception() in the template, undefined variables, ...
-            raise ChatTemplateError(f"the chat template failed: {exc}") from None
+            raise ChatTemplateError(_problem(self.origin, exc)) from None
 
     def render_with_spans(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         """The whole conversation's text and the ``[start, end)`` character span of every assistant turn."""
@@ -99,9 +139,9 @@ class ChatTemplate:
             through = self.render(messages[: i + 1])
             if not (through.startswith(before) and text.startswith(through)):
                 raise ChatTemplateError(
-                    f"the chat template renders assistant turn {i} differently once later turns follow, so its "
-                    "tokens cannot be located; give one conversation per final assistant turn, or a template "
-                    "whose renderings of a conversation's prefixes are prefixes of it"
+                    f"chat template in {self.origin}: renders assistant turn {i} differently once later turns "
+                    "follow, so its tokens cannot be located; give one conversation per final assistant turn, or a "
+                    "template whose renderings of a conversation's prefixes are prefixes of it"
                 )
             end = len(through.rstrip())  # the newline a template may put after the end-of-turn is not trained on
             if end > len(before):

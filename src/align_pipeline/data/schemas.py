@@ -17,7 +17,10 @@ One JSON object per line (blank lines are skipped; line numbers are the file's p
 
 A file is in one layout or the other (its first record decides). Any other key of SFT and preference records is
 rejected, as is a prompt field named ``prompt_ids`` (the tokenized prompt's own field). Every problem raises :class:`DataValidationError` naming the file, the line and the
-field, e.g. ``data/01_raw/sft.jsonl line 17: field "output": expected a string, got int``. Sequence-length checks
+field, e.g. ``data/01_raw/sft.jsonl line 17: field "output": expected a string, got int``. A string (or key) anywhere
+in a record that holds a lone UTF-16 surrogate – a JSON ``"\ud800"`` escape without its pair, which no UTF-8 text and
+so no tokenizer can hold – is refused the same way: ``field "output": invalid Unicode (lone surrogate U+D800)``.
+Sequence-length checks
 need the tokenizer and live in :mod:`align_pipeline.data.tokenize` (same error class, same message shape).
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -203,6 +207,27 @@ def _check_regression(obj: dict) -> None:
             raise _FieldError(f"labels.{name}", f"expected a number or null (missing), got {_type_name(value)}")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how one is written in a line (or a literal "\\ud8..": walked)
+
+
+def _check_surrogates(value: Any, where: str | None = None) -> None:
+    """Raise ``_FieldError`` naming the first string of ``value`` (keys included; nested objects and lists walked)
+    that holds a lone surrogate. ``json.loads`` joins a valid pair into one character, so any left is lone."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        if found:
+            raise _FieldError(where, f"invalid Unicode (lone surrogate U+{ord(found.group()):04X})")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            name = key if where is None else f"{where}.{key}"
+            _check_surrogates(key, name.encode("utf-8", "backslashreplace").decode())
+            _check_surrogates(item, name)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_surrogates(item, f"{where}[{i}]")
+
+
 _CHECKS = {
     "sft": _check_sft,
     "preference": _check_preference,
@@ -250,6 +275,8 @@ def parse_jsonl_bytes(blob: bytes, kind: str, source: str) -> RawData:
             raise make_error(source, lineno, None, f"mixes layouts: the file's first record is in the {first} layout")
         try:
             _check_text(obj) if text_layout and kind == "preference" else validate_record(obj, kind)
+            if _SURROGATE_ESCAPE.search(raw):
+                _check_surrogates(obj)
         except _FieldError as exc:
             raise make_error(source, lineno, exc.fieldname, exc.problem) from None
         if text_layout and kind == "prompts":

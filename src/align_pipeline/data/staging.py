@@ -6,8 +6,16 @@ reader sees changes; a write that fails removes every staged write of the set an
 :class:`OutputsNotWritten`. :meth:`~StagedWrites.commit` then puts the set in place by renames: each existing final
 path is renamed to ``.<name>.<id>.old``, the staged one renamed into its place; if a rename fails, every path
 already replaced is restored from its backup, the staged files are removed and :class:`OutputsNotWritten` says the
-previous outputs are unchanged. The backups are deleted after the last rename. Staged writes left by a process that
-was killed are removed by the next write of the same path.
+previous outputs are unchanged. The backups are deleted after the last rename.
+
+Leftovers: a process killed while staging or committing (SIGKILL, OOM killer, power loss) leaves
+``.<name>.<id>.staged`` writes, the temp files of writes into them (``..<name>.<id>.staged.<random>.tmp``) and,
+mid-commit, ``.<name>.<id>.old`` backups. Every such name carries its writer's id ``<pid>-<random>``
+(:func:`new_write_id`), so a later write can tell whether the writer is gone: its pid no longer runs, or it is this
+process's pid but not one of this process's ids (a restarted container reuses pids). Those of a gone writer are
+removed: staged writes and temp files when the same path is staged again; backups only after the next commit of that
+path has put a new version in place (mid-commit, a backup may be the only copy of the previous version). A live
+writer's files are never touched (data_prep takes no lock: two runs at once each keep their own).
 
 Rename order: artifacts in the order they were staged, each data file before its sidecar, entries staged with
 ``last=True`` (the tokenizer directory) after all others. Only a crash (SIGKILL, power loss) between two renames of
@@ -27,6 +35,7 @@ commits it once Kedro has saved the last of them::
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import shutil
@@ -37,8 +46,21 @@ from pathlib import Path
 
 from align_pipeline.errors import UserError
 
+logger = logging.getLogger(__name__)
+
 STAGED_SUFFIX = ".staged"
 BACKUP_SUFFIX = ".old"
+
+
+_OWN_IDS: set[str] = set()
+"""Writer ids this process has handed out: its temp, staged and backup names are never leftovers of a gone writer."""
+
+
+def new_write_id() -> str:
+    """A writer id ``<pid>-<8 hex>`` for the temp/staged/backup names of one write (see the module docstring)."""
+    ident = f"{os.getpid()}-{secrets.token_hex(4)}"
+    _OWN_IDS.add(ident)
+    return ident
 
 
 class OutputsNotWritten(UserError, OSError):
@@ -83,7 +105,7 @@ class StagedWrites:
     def __init__(self, label: str):
         self.label = label
         """How messages name the set, e.g. ``"data_prep outputs"``."""
-        self.id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.id = new_write_id()
         self.state = "open"
         """``open`` -> ``committed`` | ``aborted``."""
         self._entries: list[_Entry] = []
@@ -106,7 +128,7 @@ class StagedWrites:
         try:
             for _, final in pairs:
                 final.parent.mkdir(parents=True, exist_ok=True)
-                _remove_leftovers(final)
+                remove_leftovers(final, backups=False)
             write()
             missing = [s for s, _ in pairs if not _exists(s)]
             if missing:
@@ -168,6 +190,8 @@ class StagedWrites:
             if backup is not None:
                 with contextlib.suppress(OSError):
                     _remove(backup)
+        for entry in order:  # the new version is in place: what killed writers left of it is no use any more
+            remove_leftovers(entry.final, backups=True)
         for directory in {e.final.parent for e in order}:
             _fsync_dir(directory)
         self.state = "committed"
@@ -210,13 +234,59 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_leftovers(final: Path) -> None:
-    """Remove staged writes of ``final`` left by a process that no longer runs (killed while saving)."""
-    for path in final.parent.glob(f".{final.name}.*{STAGED_SUFFIX}*"):
-        pid = path.name[len(final.name) + 2 :].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+def leftover_writer(name: str, final_name: str) -> tuple[str, str] | None:
+    """``(writer id, kind)`` when ``name`` is a temp/staged/backup name of ``final_name`` (kind ``staged``, ``tmp``
+    or ``old``), else None:
+
+    * ``.<final>.<id>.staged`` (and its sidecar ``.<final>.<id>.staged.meta.json``): a staged write;
+    * ``..<final>.<id>.staged<...>.tmp``: the temp file or directory of an atomic write into a staged path;
+    * ``.<final>.<id>.tmp``: the temp directory of a tokenizer written in place;
+    * ``.<final>.<id>.old``: a backup of the previous version, mid-commit or mid-replace.
+    """
+    for lead in (f".{final_name}.", f"..{final_name}."):
+        if not name.startswith(lead):
+            continue
+        ident, _, rest = name[len(lead) :].partition(".")
+        pid, dash, token = ident.partition("-")
+        if not (pid.isdigit() and dash and token):
+            continue
+        tail = "." + rest
+        if lead == f"..{final_name}.":
+            if tail.startswith(STAGED_SUFFIX) and tail.endswith(".tmp"):
+                return ident, "tmp"
+        elif tail == STAGED_SUFFIX or tail.startswith(STAGED_SUFFIX + "."):
+            return ident, "staged"
+        elif tail in (BACKUP_SUFFIX, ".tmp"):
+            return ident, "old" if tail == BACKUP_SUFFIX else "tmp"
+    return None
+
+
+def _writer_gone(ident: str) -> bool:
+    """Whether the writer ``<pid>-<random>`` cannot be running: its pid is gone, or it is this process's pid but an
+    id this process never handed out (an earlier process with the same pid)."""
+    pid = int(ident.split("-", 1)[0])
+    if pid == os.getpid():
+        return ident not in _OWN_IDS
+    return not _pid_alive(pid)
+
+
+def remove_leftovers(final: str | os.PathLike, backups: bool) -> list[Path]:
+    """Remove what writers that are gone (killed while staging, committing or replacing) left of ``final``: staged
+    writes and temp files, and with ``backups`` their ``.old`` backups too. Returns what was removed."""
+    final = Path(final)
+    removed = []
+    with contextlib.suppress(OSError):
+        for path in final.parent.iterdir():
+            found = leftover_writer(path.name, final.name)
+            if found is None or (found[1] == "old" and not backups) or not _writer_gone(found[0]):
+                continue
             with contextlib.suppress(OSError):
                 _remove(path)
+                removed.append(path)
+    if removed:
+        logger.info("%s: removed what interrupted earlier writes left (%s)", _display(final),
+                    ", ".join(p.name for p in removed))  # fmt: skip
+    return removed
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -265,4 +335,13 @@ def close_group(group: str, staging: StagedWrites) -> None:
             del _OPEN[group]
 
 
-__all__ = ["OutputsNotWritten", "StagedWrites", "close_group", "current_group", "open_group"]
+__all__ = [
+    "OutputsNotWritten",
+    "StagedWrites",
+    "close_group",
+    "current_group",
+    "leftover_writer",
+    "new_write_id",
+    "open_group",
+    "remove_leftovers",
+]

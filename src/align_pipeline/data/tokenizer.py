@@ -29,7 +29,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -40,7 +39,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 from align_pipeline.config.base import ConfigError
 
-from .chat import ChatTemplate
+from .chat import ChatTemplate, ChatTemplateError
+from .staging import new_write_id, remove_leftovers
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "align_tokenizer.json"
@@ -68,13 +68,18 @@ class TokenizerConfig:
     """Render SFT conversations and all prompts with the chat template when the tokenizer has one (loss on the
     assistant turns); False = the plain layout of :mod:`align_pipeline.data.tokenize` (no role markup)."""
 
-    def validate(self) -> None:
+    def validate(self, where: str = "tokenizer") -> None:
         if self.vocab_size < len(SPECIAL_TOKENS) + 1:
-            raise ConfigError(f"tokenizer.vocab_size must be > {len(SPECIAL_TOKENS)}, got {self.vocab_size}")
+            raise ConfigError(f"{where}.vocab_size must be > {len(SPECIAL_TOKENS)}, got {self.vocab_size}")
         if self.min_frequency < 1:
-            raise ConfigError(f"tokenizer.min_frequency must be >= 1, got {self.min_frequency}")
-        if self.chat_template is not None and not Path(self.chat_template).is_file():
-            raise ConfigError(f"tokenizer.chat_template: {self.chat_template} is not a file")
+            raise ConfigError(f"{where}.min_frequency must be >= 1, got {self.min_frequency}")
+        if self.chat_template is not None:
+            if not Path(self.chat_template).is_file():
+                raise ConfigError(f"{where}.chat_template: {self.chat_template} is not a file")
+            try:  # compiled now: a broken template stops the run before any node
+                read_chat_template(self.chat_template, f"{where}.chat_template")
+            except ChatTemplateError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 class TextTokenizer:
@@ -90,19 +95,22 @@ class TextTokenizer:
         extra_files: dict[str, bytes] | None = None,
         add_bos: bool | None = None,
         stop_ids: Iterable[int] = (),
+        file_paths: dict[str, str] | None = None,
     ):
+        """``file_paths``: where each of ``extra_files`` was read from, as messages name it (default: its name)."""
         self.tokenizer = tokenizer
         self.bos_id = None if bos_id is None else int(bos_id)
         self.eos_id = int(eos_id)
         self.pad_id = int(pad_id)
         self.source = source
         self.extra_files = dict(extra_files or {})
+        self.file_paths = {n: p for n, p in (file_paths or {}).items() if n in self.extra_files}
         self.add_bos = self.bos_id is not None if add_bos is None else bool(add_bos) and self.bos_id is not None
         self.stop_ids = tuple(dict.fromkeys([self.eos_id, *(int(i) for i in stop_ids)]))  # EOS first, no repeats
         for name, i in (("bos_id", self.bos_id), ("eos_id", self.eos_id), ("pad_id", self.pad_id)):
             if i is not None and not 0 <= i < self.vocab_size:
                 raise ValueError(f"{name} {i} is outside the vocabulary (size {self.vocab_size})")
-        self.chat_template = _chat_template(self.extra_files, self.special_token_strings())
+        self.chat_template = _chat_template(self.extra_files, self.special_token_strings(), self.file_paths)
 
     @property
     def vocab_size(self) -> int:
@@ -185,10 +193,12 @@ class TextTokenizer:
         return h.hexdigest()[:16]
 
     def save(self, directory: str | os.PathLike) -> None:
-        """Write the tokenizer directory atomically: build it in a temp dir next to it, then rename into place."""
+        """Write the tokenizer directory atomically: build it in a temp dir next to it (``.<name>.<writer id>.tmp``),
+        then rename into place; then remove what killed writers left of it (:mod:`.staging`'s leftovers)."""
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
+        tmp = directory.parent / f".{directory.name}.{new_write_id()}.tmp"
+        tmp.mkdir()
         try:
             for name, blob in self.extra_files.items():
                 (tmp / name).write_bytes(blob)
@@ -198,6 +208,7 @@ class TextTokenizer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        remove_leftovers(directory, backups=True)
 
     def __repr__(self) -> str:
         return (
@@ -217,25 +228,52 @@ def _json_bytes(blob: bytes | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _chat_template(files: dict[str, bytes], special_tokens: dict[str, str]) -> ChatTemplate | None:
+def _chat_template(
+    files: dict[str, bytes], special_tokens: dict[str, str], paths: dict[str, str] | None = None
+) -> ChatTemplate | None:
     """The chat template among an HF tokenizer's files: ``chat_template.jinja``, then ``chat_template.json``, then
-    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates: the ``default`` one)."""
-    source = files[CHAT_TEMPLATE_FILE].decode() if CHAT_TEMPLATE_FILE in files else None
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates: the ``default`` one),
+    compiled; its errors name the file (``paths``: file name -> path shown) and the key."""
+    paths = paths or {}
+    origin = paths.get(CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_FILE)
+    source: Any = None
+    if CHAT_TEMPLATE_FILE in files:
+        try:
+            source = files[CHAT_TEMPLATE_FILE].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ChatTemplateError(f"chat template in {origin}: not valid UTF-8 (at byte {exc.start})") from None
     for name in ("chat_template.json", "tokenizer_config.json"):
         if source is None:
             source = _json_bytes(files.get(name)).get("chat_template")
+            origin = f'{paths.get(name, name)} ("chat_template")'
     if isinstance(source, list):
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
-    return ChatTemplate(source, special_tokens) if isinstance(source, str) and source.strip() else None
+        origin = f'{origin[:-1]}, "default")'
+    return ChatTemplate(source, special_tokens, origin) if isinstance(source, str) and source.strip() else None
+
+
+def _shown(path: str | os.PathLike) -> str:
+    """``path`` relative to the working directory when it lies inside it (as a user typed it), else absolute."""
+    rel = os.path.relpath(os.path.abspath(path))
+    return os.path.abspath(path) if rel.startswith("..") else rel
+
+
+def read_chat_template(path: str | os.PathLike, key: str | None = None) -> ChatTemplate:
+    """The compiled chat template of file ``path``; errors name the file (and the parameter ``key`` naming it)."""
+    origin = _shown(path) + (f" ({key})" if key else "")
+    try:
+        source = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ChatTemplateError(f"chat template in {origin}: not valid UTF-8 (at byte {exc.start})") from None
+    return ChatTemplate(source, origin=origin)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
     """Move directory ``src`` to ``dst``, replacing an existing ``dst`` (the old one is removed afterwards)."""
     old = None
     if dst.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
-        os.rmdir(old)
+        old = dst.parent / f".{dst.name}.{new_write_id()}.old"
         os.replace(dst, old)
     try:
         os.replace(src, dst)
@@ -393,8 +431,9 @@ def with_chat_template(tok: TextTokenizer, template_file: str | os.PathLike | No
     if template_file is None:
         return tok
     files = {**tok.extra_files, CHAT_TEMPLATE_FILE: Path(template_file).read_bytes()}
+    paths = {**tok.file_paths, CHAT_TEMPLATE_FILE: _shown(template_file)}
     out = TextTokenizer(tok.tokenizer, tok.bos_id, tok.eos_id, tok.pad_id, tok.source, files, tok.add_bos,
-                        tok.stop_ids)
+                        tok.stop_ids, paths)
     return _add_end_of_turn(out)
 
 
@@ -403,7 +442,7 @@ def _add_end_of_turn(tok: TextTokenizer) -> TextTokenizer:
     if eot is None or eot in tok.stop_ids:
         return tok
     return TextTokenizer(tok.tokenizer, tok.bos_id, tok.eos_id, tok.pad_id, tok.source, tok.extra_files,
-                         tok.add_bos, (*tok.stop_ids, eot))
+                         tok.add_bos, (*tok.stop_ids, eot), tok.file_paths)
 
 
 def _load_backend(directory: Path) -> Tokenizer:
@@ -427,7 +466,8 @@ def load_hf_tokenizer(directory: str | os.PathLike) -> TextTokenizer:
     bos, eos, pad = _hf_special_ids(directory, tok)
     extra = {n: (directory / n).read_bytes() for n in HF_COPY_FILES if (directory / n).exists()}
     out = TextTokenizer(tok, bos, eos, pad, source=f"hf:{directory.resolve()}", extra_files=extra,
-                        add_bos=_hf_adds_bos(directory, tok, bos), stop_ids=_hf_stop_ids(directory))
+                        add_bos=_hf_adds_bos(directory, tok, bos), stop_ids=_hf_stop_ids(directory),
+                        file_paths={n: _shown(directory / n) for n in extra})
     return _add_end_of_turn(out)
 
 
@@ -441,7 +481,8 @@ def load_tokenizer(directory: str | os.PathLike) -> TextTokenizer:
     tok = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
     extra = {n: (directory / n).read_bytes() for n in HF_COPY_FILES if (directory / n).exists()}
     out = TextTokenizer(tok, meta["bos_id"], meta["eos_id"], meta["pad_id"], source=meta["source"], extra_files=extra,
-                        add_bos=meta.get("add_bos", True), stop_ids=meta.get("stop_ids", ()))
+                        add_bos=meta.get("add_bos", True), stop_ids=meta.get("stop_ids", ()),
+                        file_paths={n: _shown(directory / n) for n in extra})
     if meta.get("fingerprint") not in (None, out.fingerprint):
         raise ValueError(
             f"{directory}: tokenizer fingerprint {out.fingerprint} does not match {META_FILE} ({meta['fingerprint']})"
@@ -473,6 +514,7 @@ __all__ = [
     "build_tokenizer",
     "load_hf_tokenizer",
     "load_tokenizer",
+    "read_chat_template",
     "read_tokenizer_meta",
     "train_tokenizer",
     "with_chat_template",
