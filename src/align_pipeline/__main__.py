@@ -244,8 +244,8 @@ def worker_command(argv: list[str]) -> int:
     parser.add_argument("--master-addr", required=True, help="node 0's address (its launch.master_addr)")
     parser.add_argument("--master-port", type=int, required=True, help="node 0's launch.master_port")
     parser.add_argument("--connect-timeout", type=float, default=3600.0,
-                        help="seconds to wait for node 0's job board (it appears with node 0's first multi-node "
-                        "stage, after data preparation)")
+                        help="seconds to wait for node 0's job board and its secret file ($ALIGN_BOARD_SECRET_FILE; "
+                        "both appear with node 0's first multi-node stage, after data preparation)")
     args = parser.parse_args(argv)
 
     from align_pipeline.launch.multinode import run_worker
