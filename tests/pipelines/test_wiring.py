@@ -31,6 +31,24 @@ def test_every_pipeline_input_is_in_the_catalog_or_params_or_produced():
                     assert inp in catalog or inp in produced, (name, node.name, inp)
 
 
+def test_every_stage_node_runs_alone_on_persisted_inputs():
+    """`kedro run --nodes <node>` / `--from-nodes <node>` for every training, evaluation and export node: each input
+    is a catalog entry or a params section, never an in-memory intermediate that a partial run would miss (such as
+    dpo_reference_logps was). data_prep's own intermediates stay in memory on purpose: its last node writes every
+    output, all-or-nothing."""
+    from align_pipeline.pipeline_registry import register_pipelines
+
+    catalog = {}
+    for f in (REPO / "conf" / "base").glob("catalog*.yml"):
+        catalog.update(yaml.safe_load(f.read_text()))
+    for name, pipeline in register_pipelines().items():
+        for node in pipeline.nodes:
+            if "data_prep" in node.tags:
+                continue
+            missing = [i for i in node.inputs if not i.startswith("params:") and i not in catalog]
+            assert not missing, (name, node.name, missing)
+
+
 def test_pipeline_registry_imports_no_torch_or_megatron():
     code = ("import sys, align_pipeline.pipeline_registry, align_pipeline.settings; "
             "print(sorted(m for m in ('torch', 'megatron.core', 'torch.distributed') if m in sys.modules))")

@@ -8,6 +8,9 @@ fingerprint, metadata) – never arrays: training nodes pass paths to their torc
   atomically; ``load()`` -> Artifact.
 * :class:`PromptsJsonlDataset` – ``save(RecordBundle | list of dicts)`` writes ``.jsonl`` + ``.meta.json``
   atomically; ``load()`` -> Artifact.
+* :class:`ReferenceLogpsDataset` – ``dpo_reference_logps``: ``save(Artifact)`` records which reference log-probs
+  cache (``<dpo.reference_cache_dir>/<key>.npz``) ``compute_reference_logps`` produced, as a small JSON file;
+  ``load()`` -> that Artifact, so ``kedro run --nodes train_dpo`` / ``--from-nodes train_dpo`` find it on disk.
 
 ``commit_group: <name>`` (the three writable datasets) makes the outputs of one node land together or not at all:
 while :class:`align_pipeline.data_prep_hook.StagedOutputsHook` has the group's set open (from the node's return
@@ -25,6 +28,7 @@ Catalog (``conf/base/catalog_data.yml``)::
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +40,7 @@ from align_pipeline.data.formats import (
     ArrayBundle,
     Artifact,
     RecordBundle,
+    atomic_write_json,
     file_sha256,
     load_artifact,
     save_jsonl,
@@ -170,4 +175,46 @@ class PromptsJsonlDataset(_ArtifactFileDataset):
         self._write(self._filepath, lambda path: save_jsonl(path, bundle.records, bundle.meta), sidecar=True)
 
 
-__all__ = ["PromptsJsonlDataset", "RawJsonlDataset", "TokenizedNpzDataset", "TokenizerDirDataset"]
+class ReferenceLogpsDataset(AbstractDataset[Artifact, Artifact]):
+    """Which reference log-probs cache ``compute_reference_logps`` last produced: a JSON file ``{"path",
+    "fingerprint", "meta"}`` (meta: ``key``, ``reference``, data and tokenizer fingerprints; ``online: true`` for
+    ``dpo.reference: online``). The cache file itself stays where the node keeps it (``dpo.reference_cache_dir``),
+    one per key.
+
+    ``load()`` trusts nothing it reads: ``train_dpo`` recomputes the key from its own inputs and verifies the cache
+    (:func:`align_pipeline.pipelines.dpo.nodes.resolve_reference_logps`) before a job uses it. Without the JSON file
+    (a project from before this entry existed) it returns an Artifact with no key, which ``train_dpo`` resolves to
+    the cache of the current key in ``dpo.reference_cache_dir``."""
+
+    def __init__(self, filepath: str, metadata: dict[str, Any] | None = None):
+        self._filepath = Path(filepath)
+        self.metadata = metadata
+
+    def load(self) -> Artifact:
+        source = display_path(self._filepath)
+        if not self._filepath.is_file():
+            logger.info("%s not found: train_dpo uses the reference log-probs cache of its current inputs", source)
+            return Artifact(path="", fingerprint="unresolved", meta={"key": None, "online": False})
+        try:
+            saved = json.loads(self._filepath.read_text())
+            artifact = Artifact(path=str(saved["path"]), fingerprint=str(saved["fingerprint"]),
+                                meta=dict(saved["meta"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DatasetError(f"{source} is not a reference log-probs record ({type(e).__name__}: {e}); delete it and "
+                               "run `kedro run --nodes compute_reference_logps,train_dpo`") from None
+        return artifact
+
+    def save(self, data: Artifact) -> None:
+        if not isinstance(data, Artifact):
+            raise DatasetError(f"ReferenceLogpsDataset saves an Artifact, got {type(data).__name__}")
+        atomic_write_json(self._filepath, {"path": data.path, "fingerprint": data.fingerprint, "meta": data.meta})
+
+    def _exists(self) -> bool:
+        return self._filepath.is_file()
+
+    def _describe(self) -> dict[str, Any]:
+        return {"filepath": str(self._filepath)}
+
+
+__all__ = ["PromptsJsonlDataset", "RawJsonlDataset", "ReferenceLogpsDataset", "TokenizedNpzDataset",
+           "TokenizerDirDataset"]

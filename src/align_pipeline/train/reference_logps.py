@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 -m align_pipeline.train.reference_logps --config run/config.json
 
 For each split and pair: ``log pi_ref(y_c | x)`` and ``log pi_ref(y_r | x)`` (sums over response tokens) and the
-response token counts. DPO then needs no reference forward pass. Output: one .npz (rank 0).
+response token counts. DPO then needs no reference forward pass. Output: one .npz (rank 0), written atomically, then
+its sidecar with the file's sha256 (:mod:`align_pipeline.data.reference_cache`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from align_pipeline.config import ModelConfig, ReferenceLogpsJob
-from align_pipeline.data.formats import atomic_open
+from align_pipeline.data.reference_cache import write_cache
 from align_pipeline.data.store import load_sequences
 from align_pipeline.model import init
 from align_pipeline.model.sequences import pair_logps_forward
@@ -38,9 +39,7 @@ def main(job: ReferenceLogpsJob) -> dict:
         log(dist, f"[reference_logps] {split}: {len(v)} pairs, mean chosen {v[:, 0].mean():.3f}, "
                   f"rejected {v[:, 1].mean():.3f}")
     if dist.is_logging_rank:
-        Path(job.output).parent.mkdir(parents=True, exist_ok=True)
-        with atomic_open(job.output) as f:
-            np.savez(f, **out)
+        write_cache(job.output, out)
         (Path(job.run_dir) / "result.json").write_text(json.dumps({"output": job.output, "splits": list(job.data)}))
     shutdown()
     return {"output": job.output}
