@@ -4,12 +4,11 @@ stream, DP statistics, sequence rewards and the vocab-parallel entropy, with han
 from __future__ import annotations
 
 import math
-import types
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as tdist
+from one_process import dist
 
 from align_pipeline.config import ConfigError, RewardConfig, from_dict
 from align_pipeline.config.checks import attribute_weights, check_reward_model
@@ -17,14 +16,7 @@ from align_pipeline.model.logprobs import token_entropy
 from align_pipeline.model.sequences import attribute_rewards, pair_batch, sequence_rewards
 from align_pipeline.rewards import RewardFunctions
 from align_pipeline.train.core.batches import ArrayBatches, PromptStream, split_rows, to_rows
-from align_pipeline.train.core.distributed import Dist
 from align_pipeline.train.core.rollout import DPStats, Rollout, rollout_stats, score
-
-
-def dist(dp_rank: int = 0, dp_size: int = 1) -> Dist:
-    return Dist(rank=dp_rank, world_size=dp_size, local_rank=0, device=torch.device("cpu"), backend="gloo",
-                pgs=types.SimpleNamespace(dp=None, tp=None), tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
-                dp_rank=dp_rank, dp_size=dp_size)
 
 
 def test_to_rows_aligns_labels_and_loss_mask_with_the_response():
@@ -81,14 +73,6 @@ def test_split_rows_follows_the_order():
     rows = {"a": torch.arange(5)}
     out = split_rows(rows, 2, torch.tensor([4, 0, 3, 1, 2]))
     assert [mb["a"].tolist() for mb in out] == [[4, 0], [3, 1], [2]]
-
-
-@pytest.fixture(scope="module")
-def single_process_group():
-    if not tdist.is_initialized():
-        tdist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    yield
-    tdist.destroy_process_group()
 
 
 def test_dp_stats_means_and_stds(single_process_group):

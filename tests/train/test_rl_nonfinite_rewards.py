@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import math
 import os
-import types
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as tdist
 from jobs import TINY_MODEL
+from one_process import dist
 
 from align_pipeline.config import (
     GenerationConfig,
@@ -30,25 +29,14 @@ from align_pipeline.config import (
     RLPaths,
     to_dict,
 )
-from align_pipeline.train.core.distributed import Dist
 from align_pipeline.train.core.rollout import Rollout, Scores, rollout_stats
 
 HERE = Path(__file__).resolve().parent
 NAN = math.nan
 
 
-def dist() -> Dist:
-    return Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
-                pgs=types.SimpleNamespace(dp=None, tp=None), tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
-                dp_rank=0, dp_size=1)
 
 
-@pytest.fixture(scope="module")
-def single_process_group():
-    if not tdist.is_initialized():
-        tdist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    yield
-    tdist.destroy_process_group()
 
 
 def test_ppo_gives_a_nan_scored_sample_zero_advantage_and_whitens_without_it(single_process_group):
