@@ -18,6 +18,9 @@ def copy_project(root: Path, *, raw: bool = True, params: dict[str, dict[str, An
     (root / "src").mkdir(parents=True)
     shutil.copytree(REPO / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
     (root / "conf" / "local").mkdir()
+    # the tests run in env "test" and look for outputs where a plain `kedro run` writes them (data/, not data/test/)
+    (root / "conf" / "test").mkdir()
+    (root / "conf" / "test" / "globals.yml").write_text("data_root: data\n")
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     if raw:
         shutil.copytree(REPO / "data" / "01_raw", root / "data" / "01_raw")

@@ -2,11 +2,10 @@
 
 import os
 
-from kedro.config import OmegaConfigLoader
-
 # Kedro's telemetry plugin (pulled in by kedro-viz) tries the network at start-up.
 os.environ.setdefault("KEDRO_DISABLE_TELEMETRY", "true")
 
+from align_pipeline.config_loader import ProjectConfigLoader
 from align_pipeline.data_prep_hook import StagedOutputsHook
 from align_pipeline.hooks import MlflowHook
 from align_pipeline.validation import ParamsValidationHook
@@ -19,7 +18,8 @@ HOOKS = (MlflowHook(), ParamsValidationHook(), StagedOutputsHook())
 # installed, would open a conflicting run of its own.
 DISABLE_HOOKS_FOR_PLUGINS = ("kedro-mlflow",)
 
-CONFIG_LOADER_CLASS = OmegaConfigLoader
+# Each env but the default one keeps its data under data/<env>/ (conf/base/globals.yml, config_loader.py).
+CONFIG_LOADER_CLASS = ProjectConfigLoader
 CONFIG_LOADER_ARGS = {
     "base_env": "base",
     "default_run_env": "local",

@@ -52,6 +52,7 @@ def project(tmp_path, monkeypatch, empty_store):
     shutil.copytree(REPO / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
     (root / "conf" / "local").mkdir()
     (root / "conf" / "test").mkdir()
+    (root / "conf" / "test" / "globals.yml").write_text("data_root: data\n")  # where the checks below look
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     monkeypatch.chdir(root)
     for var in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID"):
