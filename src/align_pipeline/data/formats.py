@@ -222,6 +222,46 @@ def checkpoint_meta(path: PathLike) -> dict[str, Any]:
     return json.loads(meta_path.read_text())
 
 
+TOKENIZER_DIR = "tokenizer"
+"""A model checkpoint's own copy of the tokenizer it was trained with (``<checkpoint>/tokenizer``, named by meta.json's
+``tokenizer.path`` relative to the checkpoint): export, evaluation and later stages read the artifact's own."""
+
+
+def checkpoint_tokenizer(path: PathLike) -> tuple[Path | None, str | None]:
+    """(directory, fingerprint) of the tokenizer a checkpoint was trained with, from its meta.json: its own copy
+    (a relative ``tokenizer.path``) or, for checkpoints written before they carried one, the recorded absolute path;
+    (None, None) for an HF directory or a checkpoint that records no tokenizer."""
+    if not is_checkpoint(path):
+        return None, None
+    entry = checkpoint_meta(path).get("tokenizer")
+    if not isinstance(entry, dict):
+        return None, None
+    where = Path(entry["path"]) if entry.get("path") else None
+    if where is not None and not where.is_absolute():
+        where = Path(path) / where
+    return where, entry.get("fingerprint")
+
+
+def check_checkpoint_tokenizers(tokenizer: Artifact, **checkpoints: str | None) -> None:
+    """Raise ``DataValidationError`` unless every checkpoint of ``checkpoints`` (catalog name or parameter key ->
+    path; None and HF directories are skipped) was trained with ``tokenizer``, the one this run's data was tokenized
+    with: a model trained on other token ids would read this data as noise (or index past its embeddings). One
+    message names both fingerprints and what fixes it."""
+    from .schemas import DataValidationError, display_path  # schemas imports this module
+
+    bad = []
+    for name, path in checkpoints.items():
+        fingerprint = checkpoint_tokenizer(path)[1] if path else None
+        if fingerprint is not None and fingerprint != tokenizer.fingerprint:
+            bad.append(f"{name} ({display_path(path)}) was trained with tokenizer {fingerprint}")
+    if bad:
+        raise DataValidationError(
+            f"{'; '.join(bad)}, but this run's data was tokenized with tokenizer {tokenizer.fingerprint} "
+            f"({display_path(tokenizer.path)}): run data_prep with the tokenizer that checkpoint was trained with (the "
+            "same data_prep.tokenizer settings and env), or pin a checkpoint trained on this data "
+            "(`kedro run --load-versions <dataset>:<version>`)")
+
+
 def lora_adapters_only(meta: dict[str, Any]) -> bool:
     """Whether a model checkpoint's meta describes a LoRA artifact that holds its adapters alone (merged into its
     base, ``meta["lora"]["base"]``, by whoever loads it)."""
@@ -277,6 +317,7 @@ def check_tokenized_with(tokenizer: Artifact, **data: Artifact) -> None:
 
 __all__ = [
     "CHECKPOINT_META",
+    "TOKENIZER_DIR",
     "ArrayBundle",
     "Artifact",
     "RecordBundle",
@@ -284,8 +325,10 @@ __all__ = [
     "atomic_open",
     "atomic_write_bytes",
     "atomic_write_json",
+    "check_checkpoint_tokenizers",
     "check_tokenized_with",
     "checkpoint_meta",
+    "checkpoint_tokenizer",
     "content_fingerprint",
     "file_sha256",
     "is_checkpoint",

@@ -34,8 +34,8 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
 
 from align_pipeline.data.formats import CHECKPOINT_META as META_FILE
+from align_pipeline.data.formats import TOKENIZER_DIR, is_checkpoint, lora_adapters_only
 from align_pipeline.data.formats import checkpoint_meta as read_meta
-from align_pipeline.data.formats import is_checkpoint, lora_adapters_only
 from align_pipeline.model import lora, memory, safe_pickle
 from align_pipeline.model.gpt import unwrap
 
@@ -165,7 +165,8 @@ def save_model(path: str | os.PathLike, model, meta: dict[str, Any], adapters_on
     ``lora.storage: adapters`` with ``lora.base``, the checkpoint or HF directory they apply to; a few MB, merged
     into the base on load by :func:`align_pipeline.model.init.resolve`), or merged (``W + (alpha / r) B A``, no
     adapter entries, ``lora.storage: merged``) with the adapters beside it in ``adapters/``. A value-head model, or
-    one whose base has no path (random init), is always saved merged."""
+    one whose base has no path (random init), is always saved merged. The tokenizer meta names (the job's) is copied
+    into ``tokenizer/`` and meta.json names that copy, so the artifact is self-contained."""
     inner = unwrap(model)
     adapters = lora.describe(inner)
     meta = {"format": FORMAT_VERSION, "kind": "model", **meta}
@@ -175,7 +176,13 @@ def save_model(path: str | os.PathLike, model, meta: dict[str, Any], adapters_on
         meta["lora"] = {**adapters, "merged": not adapters_only, "storage": "adapters" if adapters_only else "merged",
                         "adapters": ADAPTERS_DIR, "base": str(Path(base).resolve()) if base else None}
 
+    tokenizer = _own_tokenizer(meta)
+    if tokenizer is not None:
+        meta["tokenizer"] = {**meta["tokenizer"], "path": TOKENIZER_DIR, "source": str(tokenizer)}
+
     def write(tmp: Path) -> None:
+        if tokenizer is not None and (tdist.get_rank() if tdist.is_initialized() else 0) == 0:
+            shutil.copytree(tokenizer, tmp / TOKENIZER_DIR)  # the artifact carries the tokenizer it was trained with
         sharded = inner.sharded_state_dict()
         if not adapters_only:
             _save(lora.merge_into_sharded_state_dict(inner, sharded) if adapters else sharded, tmp)
@@ -186,6 +193,14 @@ def save_model(path: str | os.PathLike, model, meta: dict[str, Any], adapters_on
             _save({k: v for k, v in inner.sharded_state_dict().items() if lora.is_adapter(k)}, tmp / ADAPTERS_DIR)
 
     return _atomic_dir_write(Path(path), write, meta)
+
+
+def _own_tokenizer(meta: dict[str, Any]) -> Path | None:
+    """The tokenizer directory a model's meta names by an absolute path (the job's tokenizer), to copy into the
+    checkpoint; None when it names none or already its own copy."""
+    entry = meta.get("tokenizer")
+    path = Path(entry["path"]) if isinstance(entry, dict) and entry.get("path") else None
+    return path if path is not None and path.is_absolute() and path.is_dir() else None
 
 
 def merge_stored_adapters(path: str | os.PathLike, model) -> None:

@@ -24,7 +24,7 @@ from align_pipeline.config import (
     from_dict,
     to_dict,
 )
-from align_pipeline.data.formats import Artifact, check_tokenized_with
+from align_pipeline.data.formats import Artifact, check_checkpoint_tokenizers, check_tokenized_with
 from align_pipeline.launch import run_torchrun
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def train_paths(section: StageRunConfig, stage_name: str, *, tokenizer: Artifact
                 init_from: str | None, key: dict[str, Any]) -> tuple[TrainPaths, dict[str, Any]]:
     """The paths and lineage of a supervised stage's job; ``key`` holds the job's config sections."""
     lineage = {"data": data_lineage(tokenizer, train, val), "parent_checkpoint": init_from}
+    check_checkpoint_tokenizers(tokenizer, **{f"{stage_name}'s starting checkpoint": init_from})
     run_dir = run_dir_for(section, stage_name, {"lineage": lineage, **key})
     paths = TrainPaths(run_dir=run_dir, train_data=str(Path(train.path).resolve()),
                        val_data=str(Path(val.path).resolve()), tokenizer=str(Path(tokenizer.path).resolve()),
@@ -75,6 +76,8 @@ def rl_paths(section: StageRunConfig, stage_name: str, *, tokenizer: Artifact, p
     policy = section.init_from or sft_policy
     lineage = {"data": data_lineage(tokenizer, prompts_train, prompts_val), "parent_checkpoint": policy,
                "reference": sft_policy, "reward_model": reward_model}
+    check_checkpoint_tokenizers(tokenizer, **{f"{stage_name}'s starting policy": policy, "sft_policy": sft_policy,
+                                              "reward_model": reward_model})
     run_dir = run_dir_for(section, stage_name, {"lineage": lineage, **key})
     paths = RLPaths(run_dir=run_dir, prompts=str(Path(prompts_train.path).resolve()),
                     val_prompts=str(Path(prompts_val.path).resolve()), tokenizer=str(Path(tokenizer.path).resolve()),

@@ -23,7 +23,13 @@ from align_pipeline.config import (
     from_dict,
     to_dict,
 )
-from align_pipeline.data.formats import Artifact, check_tokenized_with, checkpoint_meta, content_fingerprint
+from align_pipeline.data.formats import (
+    Artifact,
+    check_checkpoint_tokenizers,
+    check_tokenized_with,
+    checkpoint_meta,
+    content_fingerprint,
+)
 from align_pipeline.data.reference_cache import cache_problem, npz_pairs
 from align_pipeline.errors import UserError
 from align_pipeline.launch import run_torchrun
@@ -62,6 +68,7 @@ def compute_reference_logps(sft_policy: str, tokenizer: Artifact, pref_train: Ar
     """
     params = from_dict(DPOConfig, dpo, "params:dpo")
     check_tokenized_with(tokenizer, pref_train=pref_train, pref_val=pref_val)
+    check_checkpoint_tokenizers(tokenizer, sft_policy=sft_policy)
     if params.reference == "online":
         log.info("reference log-probs: computed by the DPO job itself (dpo.reference: online)")
         return Artifact("", "online", {"reference": sft_policy, "online": True})

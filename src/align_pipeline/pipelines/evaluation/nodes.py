@@ -18,7 +18,7 @@ from align_pipeline.config import (
     to_dict,
 )
 from align_pipeline.config.checks import check_reward_model
-from align_pipeline.data.formats import Artifact, check_tokenized_with
+from align_pipeline.data.formats import Artifact, check_checkpoint_tokenizers, check_tokenized_with
 from align_pipeline.gates import gates_markdown, promotion
 from align_pipeline.launch import run_torchrun
 from align_pipeline.report import flat_metrics
@@ -36,6 +36,7 @@ def evaluate_policies(tokenizer: Artifact, prompts_val: Artifact, pref_val: Arti
     cfg = from_dict(EvaluationConfig, evaluation, "params:evaluation")
     check_reward_model(cfg.reward, reward_model, "params:evaluation.reward")
     check_tokenized_with(tokenizer, prompts_val=prompts_val, pref_val=pref_val, sft_val=sft_val)
+    check_checkpoint_tokenizers(tokenizer, reward_model=reward_model, **policies)
     named = {name.removesuffix("_policy"): path for name, path in policies.items()}
     key = config_hash({"policies": named, "rm": reward_model, "prompts": prompts_val.fingerprint,
                        "params": to_dict(cfg)})
