@@ -9,18 +9,20 @@ Kedro.
     align-pipeline compare [RUN_OR_VERSION ...] [--last N] [--filter "MLFLOW FILTER"] [--out DIR] [--no-log]
     align-pipeline sweep --pipelines dpo --grid dpo.loss.beta=0.03,0.1,0.3 [--grid ...] [--env ENV]
     align-pipeline worker --master-addr NODE0 --master-port PORT          # the other nodes of a multi-node run
+    align-pipeline gc [--dry-run] [--keep N] [root=PATH ...]              # free stored versions retention removes
 """
 
 import os
 import sys
 from pathlib import Path
 
-COMMANDS = ("export", "import", "mlflow-log", "compare", "sweep", "worker")
+COMMANDS = ("export", "import", "mlflow-log", "compare", "sweep", "worker", "gc")
 
 
 def export_command(argv: list[str]) -> int:
     """``export``: a model checkpoint -> an HF model directory (see :mod:`align_pipeline.model.hf_export`)."""
     import argparse
+    import json
     import time
 
     parser = argparse.ArgumentParser(prog="align-pipeline export",
@@ -31,12 +33,15 @@ def export_command(argv: list[str]) -> int:
                         "data/06_models/dpo_policy/<version>/dpo_policy")
     parser.add_argument("hf_dir", help="output directory (must not exist)")
     parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer directory to include (default: the one recorded in the checkpoint)")
+                        help="tokenizer directory to include (default: the checkpoint's own, as its meta.json "
+                        "records it); one whose fingerprint differs from the recorded one is refused (exit 2)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-shard-gb", type=float, default=2.0, help="size of one safetensors file")
     parser.add_argument("--check", action="store_true",
-                        help="run the checkpoint (Megatron) and the export (transformers) on the same fixed tokens, "
-                        "print max |dlogit| and exit 1 above --tol")
+                        help="check the whole export: tokenizer vocabulary <= embedding rows, the packed tokenizer's "
+                        "fingerprint, special tokens / EOS / chat template round-trip, logits on fixed tokens "
+                        "(max |dlogit| <= --tol) and a greedy generation through transformers equal to ours; one "
+                        "line per check, exit 1 when any fails")
     parser.add_argument("--tol", type=float, default=None,
                         help="--check tolerance (default 1e-4 for a float32 export, 5e-2 for bfloat16/float16)")
     parser.add_argument("--peft", action="store_true",
@@ -71,7 +76,41 @@ def export_command(argv: list[str]) -> int:
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     summary["peak_rss_gib"] = _peak_rss_gib()
     tol = args.tol if args.tol is not None else (1e-4 if args.dtype == "float32" else 5e-2)
-    return _report(summary, args.checkpoint, args.hf_dir, tol if args.check else None)
+    if not args.check:
+        print(json.dumps(summary))
+        return 0
+    return _check_export(summary, args.checkpoint, args.hf_dir, tol)
+
+
+def _check_export(summary: dict, checkpoint: str, hf_dir: str, tol: float) -> int:
+    """``export --check``: every check of :func:`align_pipeline.model.export_check.check_export`, one line each on
+    stderr, recorded in the export (``align_export_check.json``); the summary (with ``checks``) as one JSON line;
+    exit 1 when any check failed."""
+    import json
+    import shutil
+    import tempfile
+
+    from align_pipeline.errors import UserError
+    from align_pipeline.model.export_check import check_export, write_result
+
+    work = tempfile.mkdtemp(prefix="align-check-")
+    try:
+        checks = check_export(checkpoint, hf_dir, work, tol)
+    except UserError as exc:  # our side's job failed: its logs stay in `work`, which the error names
+        print(f"align-pipeline --check: {exc}", file=sys.stderr)
+        return 2
+    shutil.rmtree(work, ignore_errors=True)
+    failed = [c.name for c in checks if c.ok is False]
+    write_result(hf_dir, "failed" if failed else "passed", checks)
+    for check in checks:
+        print(check.line(), file=sys.stderr)
+    logits = next((c.value for c in checks if c.name == "logits" and c.value is not None), None)
+    summary |= {"max_abs_logit_diff": logits, "tolerance": tol, "checks": {c.name: c.ok for c in checks},
+                "check": "failed" if failed else "passed"}
+    print(json.dumps(summary))
+    if failed:
+        print(f"align-pipeline export --check: {hf_dir} FAILED {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _peak_rss_gib() -> float | None:
@@ -253,10 +292,18 @@ def worker_command(argv: list[str]) -> int:
     return run_worker(args.master_addr, args.master_port, args.connect_timeout)
 
 
+def gc_command(argv: list[str]) -> int:
+    """``gc``: see :func:`align_pipeline.datasets.retention.gc_command`."""
+    from align_pipeline.datasets.retention import gc_command as run_gc
+
+    return run_gc(argv)
+
+
 def main(*args, **kwargs):
     if not args and len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
         commands = {"export": export_command, "import": import_command, "mlflow-log": mlflow_log_command,
-                    "compare": compare_command, "sweep": sweep_command, "worker": worker_command}
+                    "compare": compare_command, "sweep": sweep_command, "worker": worker_command,
+                    "gc": gc_command}
         sys.exit(commands[sys.argv[1]](sys.argv[2:]))
 
     from kedro.framework.cli.utils import find_run_command

@@ -420,12 +420,22 @@ class MlflowHook:
 
     def _register(self, client: Any, name: str, version: str, path: str, run_id: str) -> None:
         """An HF export (an ``HFModelDataset`` version) becomes a version of the registered model ``name`` in MLflow's
-        model registry, with the node's lineage tags (which checkpoint version it exports, the kedro run)."""
+        model registry, with the node's lineage tags (which checkpoint version it exports, the kedro run) and
+        ``export.check`` (passed, or skipped: ``export.check: false``) - only when its ``align_export_check.json``
+        says so: an export whose check failed, or that has no check record, is not registered."""
         from mlflow.exceptions import MlflowException
 
+        from align_pipeline.model.export_check import CHECK_FILE, read_status
+
+        status = read_status(path)
+        if status not in ("passed", "skipped"):
+            logger.warning("%s version %s: not registered in MLflow's model registry (its %s says %s)", name,
+                           version, CHECK_FILE, status or "nothing: missing or unreadable")
+            return
         run_tags = self._call(client.get_run, run_id).data.tags
         tags = {k: v for k, v in run_tags.items() if k.startswith(("lineage.", "kedro.run"))}
         tags[clean_key(f"lineage.out.{name}")] = version
+        tags["export.check"] = status
         try:
             self._call(client.create_registered_model, name, tags={"align.dataset": name},
                        description=f"Hugging Face exports of the catalog entry {name}")  # fmt: skip

@@ -118,17 +118,17 @@ def test_gc_dry_run_shows_what_would_go_and_deletes_nothing_then_frees_it(tmp_pa
 
 
 def test_gc_command_line_errors_are_one_line(tmp_path):
-    code = "import sys; from align_pipeline.datasets.retention import gc_command; sys.exit(gc_command(sys.argv[1:]))"
-    done = subprocess.run([sys.executable, "-c", code, "--keep", "0"], cwd=tmp_path, capture_output=True, text=True,
+    code = "-m", "align_pipeline", "gc"  # the console command's module
+    done = subprocess.run([sys.executable, *code, "--keep", "0"], cwd=tmp_path, capture_output=True, text=True,
                           check=False)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         ("align-pipeline gc: root=data/06_models: not a directory (run from the project directory, or name the "
          "directory of versioned artifacts)")]
     (tmp_path / "data" / "06_models").mkdir(parents=True)
-    done = subprocess.run([sys.executable, "-c", code, "--keep", "0"], cwd=tmp_path, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, *code, "--keep", "0"], cwd=tmp_path, capture_output=True, text=True,
                           check=False)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "align-pipeline gc: --keep 0: keep at least 1 version (omit --keep to keep all)"]
-    done = subprocess.run([sys.executable, "-c", code, "--dry-run"], cwd=tmp_path, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, *code, "--dry-run"], cwd=tmp_path, capture_output=True, text=True,
                           check=False)
     assert done.returncode == 0 and "nothing deleted" in done.stdout

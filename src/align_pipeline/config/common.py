@@ -546,9 +546,11 @@ class ExportConfig:
     """Dtype of the exported weights (float32 = the trained master weights, exact logits)."""
     max_shard_gb: float = 2.0
     """Size of one safetensors file."""
-    check: bool = False
-    """Run the checkpoint (Megatron) and the export (transformers) on the same fixed tokens and fail the export if
-    max |Δlogit| exceeds ``tolerance``."""
+    check: bool = True
+    """Check the whole export before it counts (:mod:`align_pipeline.model.export_check`): tokenizer vocabulary and
+    fingerprint, special tokens / chat template, logits on fixed tokens within ``tolerance``, greedy generation; a
+    failing export is removed and the node fails. False = opt out: the export is registered tagged
+    ``export.check=skipped``."""
     tolerance: float | None = None
     """Parity tolerance; None = 1e-4 for float32, 5e-2 for bfloat16/float16."""
     work_dir: str = "data/06_models/_runs/export"

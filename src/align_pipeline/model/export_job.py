@@ -4,8 +4,10 @@ the Kedro process).
     {"run_dir": ..., "checkpoint": ..., "out": ..., "dtype": ..., "max_shard_gb": ..., "check": bool,
      "tolerance": float | None}  ->  out/ (config.json, safetensors, tokenizer), run_dir/result.json {summary}
 
-With ``check`` the parity figure is measured (:func:`align_pipeline.model.hf_export.check_parity`) and the job fails
-above the tolerance, removing the export.
+With ``check`` every check of :func:`align_pipeline.model.export_check.check_export` runs (tokenizer vocabulary and
+fingerprint, special tokens / chat template round-trip, logits, greedy generation) and the job fails when one
+fails, removing the export. The result is recorded in the export (``align_export_check.json``: passed, or skipped
+without ``check``), which MLflow's model registry reads.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from align_pipeline.model.hf_export import check_parity, export_hf, progress_printer
+from align_pipeline.model.export_check import check_export, write_result
+from align_pipeline.model.hf_export import export_hf, progress_printer
 
 
 def main() -> None:
@@ -31,13 +34,21 @@ def main() -> None:
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     if cfg["check"]:
         tol = cfg["tolerance"] if cfg["tolerance"] is not None else (1e-4 if cfg["dtype"] == "float32" else 5e-2)
-        diff = check_parity(cfg["checkpoint"], cfg["out"], Path(cfg["run_dir"]) / "check")
-        summary |= {"max_abs_logit_diff": diff, "tolerance": tol}
-        print(f"max |dlogit| = {diff:.3g} (tolerance {tol:g})", flush=True)
-        if diff > tol:
+        checks = check_export(cfg["checkpoint"], cfg["out"], Path(cfg["run_dir"]) / "check", tol)
+        for check in checks:
+            print(check.line(), flush=True)
+        failed = [c.name for c in checks if c.ok is False]
+        logits = next((c.value for c in checks if c.name == "logits" and c.value is not None), None)
+        summary |= {"tolerance": tol, "check_failed": len(failed)}
+        if logits is not None:
+            summary["max_abs_logit_diff"] = logits
+        if failed:
             shutil.rmtree(cfg["out"], ignore_errors=True)
-            raise SystemExit(f"export {cfg['checkpoint']}: max |dlogit| = {diff:.3g} exceeds the tolerance {tol:g}; "
-                             "the export was removed")
+            raise SystemExit(f"export {cfg['checkpoint']}: the check failed ({', '.join(failed)}: see the lines "
+                             "above); the export was removed")
+        write_result(cfg["out"], "passed", checks)
+    else:
+        write_result(cfg["out"], "skipped", [])
     (Path(cfg["run_dir"]) / "result.json").write_text(json.dumps(summary))
 
 

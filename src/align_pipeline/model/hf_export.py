@@ -41,6 +41,7 @@ from align_pipeline.config import ModelConfig, from_dict
 from align_pipeline.data.formats import checkpoint_meta, lora_adapters_only
 from align_pipeline.errors import UserError
 from align_pipeline.model import rope, safe_pickle
+from align_pipeline.model.export_check import export_tokenizer
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -413,23 +414,28 @@ def _write_shards(plan: list[tuple[str, tuple[int, ...], Producer]], out: Path, 
     return {"files": len(names), "bytes": total, "params": params}
 
 
-def _tokenizer_files(tokenizer_dir: Path, out: Path) -> dict[str, int | None]:
-    """Write the tokenizer as HF files (``tokenizer.json``, ``tokenizer_config.json``, its chat template if any);
-    returns its special token ids."""
+def _tokenizer_files(ours, out: Path) -> dict[str, Any]:
+    """Write the tokenizer ``ours`` (a :class:`~align_pipeline.data.tokenizer.TextTokenizer`) as HF files
+    (``tokenizer.json``, ``tokenizer_config.json``, its chat template if any) and, byte for byte, as our tokenizer
+    directory ``align_tokenizer/`` (its fingerprint verifiable); returns its special token ids, the eos ids being
+    every stop id (EOS and a chat template's end-of-turn token) when there are several."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if (tokenizer_dir / "tokenizer_config.json").is_file():  # from an HF model (data_prep.tokenizer.hf_model_dir)
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    else:  # trained by data_prep
-        from align_pipeline.data.tokenizer import load_tokenizer
+    from align_pipeline.model.export_check import PACKED_TOKENIZER
 
-        ours = load_tokenizer(tokenizer_dir)
+    ours.save(out / PACKED_TOKENIZER)
+    if "tokenizer_config.json" in ours.extra_files:  # from an HF model (data_prep.tokenizer.hf_model_dir)
+        tok = AutoTokenizer.from_pretrained(str(out / PACKED_TOKENIZER))
+    else:  # trained by data_prep: a sequence starts with BOS (add_bos_token), as in training
         tok = PreTrainedTokenizerFast(tokenizer_object=ours.tokenizer, bos_token=ours.id_to_token(ours.bos_id),
-                                      eos_token=ours.id_to_token(ours.eos_id), pad_token=ours.id_to_token(ours.pad_id))
+                                      eos_token=ours.id_to_token(ours.eos_id), pad_token=ours.id_to_token(ours.pad_id),
+                                      add_bos_token=ours.add_bos)
         if ours.chat_template is not None:  # data_prep.tokenizer.chat_template
             tok.chat_template = ours.chat_template.source
     tok.save_pretrained(str(out))
-    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    stops = list(ours.stop_ids)
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": stops if len(stops) > 1 else tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id}
 
 
 def _value_head_note(meta: dict[str, Any], pooling: str | None, bias: list[float] | None) -> tuple[dict, str]:
@@ -486,8 +492,9 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     note (config.json ``align_pipeline.how_to_score`` and README.md) saying how to score it, since HF's head pools
     the last token. A non-zero value-head bias (HF's score layer has none) is kept in that note as ``score_bias``.
 
-    ``tokenizer``: the tokenizer directory to include (default: the one recorded in the checkpoint's meta.json, if it
-    still exists; none = no tokenizer files). ``dtype``: the weights' dtype in the files ("float32", "bfloat16",
+    ``tokenizer``: the tokenizer directory to include (default: the checkpoint's own, see
+    :func:`~align_pipeline.model.export_check.export_tokenizer`: a tokenizer whose fingerprint differs from the one
+    meta.json records is refused before anything is written; none recorded = no tokenizer files). ``dtype``: the weights' dtype in the files ("float32", "bfloat16",
     "float16"). ``progress(done, total)`` is called after each tensor written. Returns a summary: family,
     architecture, files, parameters, bytes, and the output directory.
     """
@@ -496,6 +503,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     if meta.get("kind") != "model":
         raise HFExportError(f"{checkpoint} is a {meta.get('kind')!r} checkpoint; export a model checkpoint (the "
                             "stage's artifact, or <run_dir>/<model>/model)")
+    tok = export_tokenizer(checkpoint, meta, tokenizer)  # refused before anything is written: not the trained one
     ckpt = open_tensors(checkpoint)  # adapters alone on a checkpoint base: merged layer by layer while writing
     if ckpt is None:  # adapters on an HF directory: merged into it by a job first
         if out.exists():
@@ -503,7 +511,10 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
         out.parent.mkdir(parents=True, exist_ok=True)
         with _job_work_dir(f".merge-{out.name}-", out.parent) as work:
             merged = materialize(checkpoint, work / "merged", work / "job")
-            return export_hf(merged, out, tokenizer, dtype, max_shard_bytes, progress)
+            if tok is not None:  # the one resolved (and verified) against the LoRA artifact's own meta.json
+                tok.save(work / "tokenizer")
+            return export_hf(merged, out, work / "tokenizer" if tok is not None else None, dtype, max_shard_bytes,
+                             progress)
     head = meta.get("head", "lm")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
@@ -516,8 +527,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tokenizer = Path(tokenizer) if tokenizer else Path((meta.get("tokenizer") or {}).get("path") or "")
-    tokens = _tokenizer_files(tokenizer, tmp) if tokenizer.name and tokenizer.is_dir() else {}
+    tokens = _tokenizer_files(tok, tmp) if tok is not None else {}
     num_labels = int(meta.get("num_outputs", 1)) if head == "value" else None
     config = hf_config(model, vocab_size, torch_dtype, tokens, num_labels=num_labels)
     config.architectures = [architecture(family, head)]

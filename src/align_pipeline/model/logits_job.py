@@ -1,7 +1,9 @@
 """A torchrun entry point: a model checkpoint's outputs on fixed tokens (the Megatron side of ``--check``).
 
-    {"run_dir": ..., "checkpoint": ..., "tokens": [[...]], "parallel"?: {...}}
-        ->  run_dir/result.json {"logits": [b][s][vocab]} (LM head) or [b][s][outputs] (value head)
+    {"run_dir": ..., "checkpoint": ..., "tokens": [[...]], "parallel"?: {...},
+     "generate"?: {"prompt": [...], "max_new_tokens": n, "eos_id": [...], "pad_id": p}}
+        ->  run_dir/result.json {"logits": [b][s][vocab]} (LM head) or [b][s][outputs] (value head),
+                                "generated": [...] (with "generate": the greedy continuation of "prompt")
 
 fp32, any TP (PP=1): the reference an HF export or import is compared with.
 """
@@ -37,8 +39,17 @@ def main() -> None:
     out = out.float().cpu()
     if source.head == "lm":
         out = out[..., : source.vocab_size]
+    result = {"logits": out.tolist()}
+    if cfg.get("generate"):
+        from align_pipeline.model.generate import generate
+
+        spec = cfg["generate"]
+        with torch.no_grad():
+            result["generated"] = generate(model, [spec["prompt"]], max_new_tokens=int(spec["max_new_tokens"]),
+                                           eos_id=spec["eos_id"], pad_id=int(spec["pad_id"]),
+                                           vocab_size=source.vocab_size, greedy=True).tokens[0]
     if dist.rank == 0:
-        (Path(cfg["run_dir"]) / "result.json").write_text(json.dumps({"logits": out.tolist()}))
+        (Path(cfg["run_dir"]) / "result.json").write_text(json.dumps(result))
     shutdown()
 
 

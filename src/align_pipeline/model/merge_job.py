@@ -5,7 +5,7 @@
 The HF export reads checkpoint files directly, without building a model; an adapters-only artifact
 (``<stage>.lora.store: adapters``) is first materialised by this job: the model is built and filled by
 :func:`align_pipeline.model.init.resolve` (the base's weights, the adapters merged in) and saved with the artifact's
-own meta.json (stage, metrics, lineage), ``lora.storage`` now ``merged``.
+own meta.json (stage, metrics, lineage), ``lora.storage`` now ``merged``, and a copy of its tokenizer.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ def main() -> None:
     model = init.build_model(source, ParallelConfig(), dist, head=source.head, num_outputs=source.num_outputs)
     meta = {k: v for k, v in checkpoint.read_meta(cfg["checkpoint"]).items() if k not in ("format", "kind")}
     meta["lora"] = {**meta["lora"], "storage": "merged", "merged": True, "materialized_from": cfg["checkpoint"]}
+    own = (meta.get("tokenizer") or {}).get("path")
+    if own and not Path(own).is_absolute():  # the artifact's own copy: the merged checkpoint carries it too
+        meta["tokenizer"] = {**meta["tokenizer"], "path": str((Path(cfg["checkpoint"]) / own).resolve())}
     checkpoint.save_model(cfg["out"], model, meta)
     if dist.rank == 0:
         (Path(cfg["run_dir"]) / "result.json").write_text(json.dumps({"out": str(Path(cfg["out"]).resolve())}))

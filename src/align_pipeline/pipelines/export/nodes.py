@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 
 from align_pipeline.config import ExportConfig, from_dict
+from align_pipeline.data.formats import checkpoint_meta
+from align_pipeline.model.export_check import export_tokenizer
 from align_pipeline.pipelines.common import export_model
 
 log = logging.getLogger(__name__)
@@ -16,11 +18,15 @@ log = logging.getLogger(__name__)
 def export_artifact(checkpoint: str, export: dict, *, name: str) -> tuple[str, dict[str, float]]:
     """Write the checkpoint ``name`` as an HF directory (in a one-process job); returns (its path, metrics).
 
-    An absent artifact ("" from an optional catalog entry) exports nothing: ("", {})."""
+    An absent artifact ("" from an optional catalog entry) exports nothing: ("", {}). The export packs the
+    checkpoint's own tokenizer: one whose fingerprint differs from its meta.json's (the recorded path rewritten by
+    another env's data_prep) stops the node before launch (:class:`~align_pipeline.model.export_check.ExportRefused`).
+    """
     cfg = from_dict(ExportConfig, export, "params:export")
     if not checkpoint:
         log.info("export: no %s in the catalog, nothing to export", name)
         return "", {}
+    export_tokenizer(checkpoint, checkpoint_meta(checkpoint))  # refused here, before launching, with one line
     Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=cfg.work_dir)).resolve()
     out = work / f"{name}_hf"  # the catalog moves it into its version
@@ -31,4 +37,6 @@ def export_artifact(checkpoint: str, export: dict, *, name: str) -> tuple[str, d
     metrics = {"seconds": float(summary["seconds"]), "bytes": float(summary["bytes"])}
     if "max_abs_logit_diff" in summary:
         metrics["max_abs_logit_diff"] = float(summary["max_abs_logit_diff"])
+    if "check_failed" in summary:
+        metrics["check_failed"] = float(summary["check_failed"])
     return str(out), metrics
