@@ -4,6 +4,7 @@ train_dpo``) find ``dpo_reference_logps`` on disk, and never train on the log-pr
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from datetime import datetime, timedelta
@@ -137,7 +138,11 @@ def test_train_dpo_alone_refuses_the_reference_logps_of_another_sft_policy(proje
     (old,) = _versions(project, "sft_policy")
     stamp = datetime.strptime(old.name, "%Y-%m-%dT%H.%M.%S.%fZ") + timedelta(seconds=1)
     new = old.parent / (stamp.strftime("%Y-%m-%dT%H.%M.%S.%f")[:-3] + "Z")
-    shutil.copytree(old, new)  # the same weights stored as a later version: another reference, another key
+    shutil.copytree(old, new)  # a later version of another model (its reuse key differs): another reference key
+    record = new / "sft_policy" / "reuse.json"
+    body = json.loads(record.read_text())
+    body["key"] = body["key"][::-1]
+    record.write_text(json.dumps(body, indent=1, sort_keys=True))
     runs = project / "data" / "06_models" / "_runs"
     before = sorted(p.name for p in runs.rglob("*"))
     with pytest.raises(UserError) as err:

@@ -35,7 +35,7 @@ def _run(root: Path, *pipelines: str):
     return run_kedro(root, *pipelines)
 
 
-def test_data_prep_and_sft_then_rerun_sft_makes_a_second_version(project):
+def test_data_prep_and_sft_then_rerun_sft_reuses_it_as_a_second_version(project):
     import mlflow
     from mlflow import MlflowClient
 
@@ -52,9 +52,11 @@ def test_data_prep_and_sft_then_rerun_sft_makes_a_second_version(project):
     assert meta["metrics"]["val_loss"] == pytest.approx(metrics["val_loss"])
     assert not any((project / "data" / "06_models" / "_runs" / "sft").iterdir())  # run dir handed over
 
-    _run(project, "sft")  # rerun SFT alone on the persisted data_prep outputs
+    _run(project, "sft")  # rerun SFT alone on the persisted data_prep outputs: the same key, reused (no training)
     versions = sorted((project / "data" / "06_models" / "sft_policy").iterdir())
     assert len(versions) == 2 and all((v / "sft_policy" / "meta.json").is_file() for v in versions)
+    reused = json.loads((versions[1] / "sft_policy" / "reuse.json").read_text())
+    assert reused["reused_from"]["version"] == versions[0].name and reused["metrics"] == metrics
 
     client = MlflowClient(tracking_uri=mlflow.get_tracking_uri())
     exp = client.get_experiment_by_name("test-sft")
@@ -64,7 +66,9 @@ def test_data_prep_and_sft_then_rerun_sft_makes_a_second_version(project):
     assert len(parents) == 2 and all(r.info.status == "FINISHED" for r in runs)
     assert {r.data.tags.get("kedro.pipeline") for r in parents} == {"data_prep,sft", "sft"}
     sft_children = [r for r in children if r.data.tags["kedro.node"] == "train_sft"]
-    assert len(sft_children) == 2
+    assert len(sft_children) == 2 and sorted(r.data.tags.get("reused_from", "") for r in sft_children) == \
+        ["", versions[0].name]
+    sft_children.sort(key=lambda r: "reused_from" in r.data.tags)  # the run that trained first
     history = client.get_metric_history(sft_children[0].info.run_id, "loss")
     assert [m.step for m in history] == [8, 12, 16, 24]  # every log_interval (8) and every eval (12)
     assert "val_loss" in sft_children[0].data.metrics
@@ -184,6 +188,13 @@ def test_rlhf_on_a_fresh_project_then_reinforce_on_its_sft_policy(project):
     assert sorted(r.data.tags.get("kedro.node", "parent") for r in gated) == ["parent", "train_ppo"]
     fast["ppo"].pop("gate")
     (project / "conf" / "test" / "parameters_fast.yml").write_text(yaml.safe_dump(fast))
+    _run(project, "ppo")  # the first run's key again: its policy and critic, both from that one run, are reused
+    (first, _), (first_critic, _) = (sorted((models / name).iterdir()) for name in ("ppo_policy", "ppo_critic"))
+    for name in ("ppo_policy", "ppo_critic"):
+        newest = max((models / name).iterdir()) / name
+        assert json.loads((newest / "reuse.json").read_text())["reused_from"] == {"artifact": name,
+                                                                                 "version": first.name}
+    assert first_critic.name == first.name
     outputs = _run(project, "reinforce")
     (version,) = sorted((models / "reinforce_policy").iterdir())
     meta = json.loads((version / "reinforce_policy" / "meta.json").read_text())

@@ -530,6 +530,9 @@ class StageRunConfig:
     interruption resumes from its latest checkpoint."""
     keep_run_dir: bool = False
     """Keep the run directory (training checkpoints, logs) after the model has been stored as a catalog version."""
+    reuse: bool = True
+    """Reuse a stored version made from the same inputs, config and code instead of training again
+    (:mod:`align_pipeline.pipelines.reuse`); false = always train (``kedro run --params <stage>.reuse=false``)."""
     export_hf: bool = False
     """Also write each final model as a Hugging Face directory inside its artifact (``<artifact>/hf``: policies as
     ``*ForCausalLM``, reward models / critics as ``*ForSequenceClassification``, with the tokenizer)."""

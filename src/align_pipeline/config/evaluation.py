@@ -46,6 +46,9 @@ class EvaluationConfig:
     """Rows per scoring forward."""
     runs_dir: str = "data/06_models/_runs"
     """Where the evaluation's run directory (logs, result.json) lives."""
+    reuse: bool = True
+    """Reuse a stored eval_report made from the same policies, data, config and code instead of evaluating again
+    (:mod:`align_pipeline.pipelines.reuse`); false = always evaluate."""
     gate: PromotionGateConfig = field(default_factory=PromotionGateConfig)
     """Promotion gates per policy (gain over SFT, KL to the reference)."""
 

@@ -8,3 +8,4 @@ from .data import (  # noqa: F401
     TokenizedNpzDataset,
     TokenizerDirDataset,
 )
+from .stored import StoredVersions, StoredVersionsDataset  # noqa: F401

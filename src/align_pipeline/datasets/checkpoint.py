@@ -39,6 +39,7 @@ from .manifest import (
     VERIFY_LEVELS,
     ManifestError,
     check_files,
+    known_hashes,
     link_duplicates,
     read_manifest,
     sha256_of,
@@ -175,6 +176,25 @@ class CheckpointDataset(AbstractVersionedDataset[str, str]):
             return None
         return ("is incomplete" if problem.endswith("is missing") else "failed its manifest check"), problem
 
+    @property
+    def name(self) -> str:
+        """The artifact's name (its filepath's last component)."""
+        return self._name
+
+    def stored_versions(self) -> list[str]:
+        """The stored versions' names, newest first (complete or not)."""
+        return self._version_names()
+
+    def version_path(self, version: str) -> Path:
+        """Where ``version`` of this artifact is (``<filepath>/<version>/<name>``)."""
+        return Path(self._get_versioned_path(version))
+
+    def check_version(self, version: str, full: bool | None = None) -> str | None:
+        """Why ``version`` cannot be loaded ("is incomplete (missing meta.json)", ...), or None when it passes its
+        manifest check (sizes; sha256 too with ``full``, default: the entry's ``verify``)."""
+        problem = self._problem(version, full=self._verify == "full" if full is None else full)
+        return None if problem is None else f"{problem[0]} ({problem[1]})"
+
     def _refusal(self, version: str, problem: tuple[str, str], pinned: bool) -> ArtifactVersionError:
         verdict, why = problem
         where = _shown(Path(self._filepath))
@@ -239,7 +259,7 @@ class CheckpointDataset(AbstractVersionedDataset[str, str]):
             shutil.rmtree(tmp)
         shutil.move(str(src), str(tmp))
         try:
-            entries = write_manifest(tmp)
+            entries = write_manifest(tmp, known_hashes(older))  # a reused version's hard links are not read again
             saved = link_duplicates(tmp, entries, older)
             self._record(version).write_text(sha256_of(tmp / MANIFEST_FILE) + "\n")
             os.replace(tmp, dest)

@@ -62,14 +62,49 @@ def _files(artifact: Path) -> list[str]:
     return sorted(found)
 
 
-def build_manifest(artifact: Path) -> dict[str, FileEntry]:
-    """Size and sha256 of every file under ``artifact`` (hashes every byte)."""
-    return {rel: FileEntry((artifact / rel).stat().st_size, sha256_of(artifact / rel)) for rel in _files(artifact)}
+FileId = tuple[int, int, int, int]
+"""(device, inode, size, mtime_ns) of a file: the same for a hard link of it, changed by any write to it."""
 
 
-def write_manifest(artifact: Path) -> dict[str, FileEntry]:
-    """Write ``artifact/manifest.json`` (atomically: temp file + rename) and return its entries."""
-    files = build_manifest(artifact)
+def _file_id(path: Path) -> FileId:
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def known_hashes(versions: list[Path]) -> dict[FileId, str]:
+    """The sha256 of each file of ``versions`` by its :data:`FileId`, from their manifests (a file written since, or
+    absent, is left out): a hard link to one of them need not be read again."""
+    known: dict[FileId, str] = {}
+    for version in versions:
+        try:
+            entries = read_manifest(version)
+        except ManifestError:
+            continue
+        for rel, entry in entries.items():
+            try:
+                file_id = _file_id(version / rel)
+            except OSError:
+                continue
+            if file_id[2] == entry.size:
+                known[file_id] = entry.sha256
+    return known
+
+
+def build_manifest(artifact: Path, known: dict[FileId, str] | None = None) -> dict[str, FileEntry]:
+    """Size and sha256 of every file under ``artifact`` (hashes every byte, except of a file that ``known`` has:
+    a hard link to an older version's file, unchanged since its manifest was written)."""
+    entries = {}
+    for rel in _files(artifact):
+        file_id = _file_id(artifact / rel)
+        sha = (known or {}).get(file_id) or sha256_of(artifact / rel)
+        entries[rel] = FileEntry(file_id[2], sha)
+    return entries
+
+
+def write_manifest(artifact: Path, known: dict[FileId, str] | None = None) -> dict[str, FileEntry]:
+    """Write ``artifact/manifest.json`` (atomically: temp file + rename) and return its entries (``known``: see
+    :func:`build_manifest`)."""
+    files = build_manifest(artifact, known)
     body = {"format": FORMAT, "files": {rel: {"size": e.size, "sha256": e.sha256} for rel, e in files.items()}}
     tmp = artifact / f".{MANIFEST_FILE}.tmp"
     tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
@@ -169,6 +204,7 @@ __all__ = [
     "ManifestError",
     "build_manifest",
     "check_files",
+    "known_hashes",
     "link_duplicates",
     "read_manifest",
     "sha256_of",

@@ -1,6 +1,7 @@
 """Helpers shared by the training-stage nodes: typed params, run directories, lineage, launching.
 
-Imports only config, launch and data formats: the Kedro process never loads torch or Megatron.
+Imports only config, launch, data formats, the stored-versions index and reuse keys: the Kedro process never loads
+torch or Megatron.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import dataclasses
 import logging
 import shutil
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,9 @@ from align_pipeline.config import (
     to_dict,
 )
 from align_pipeline.data.formats import Artifact, check_checkpoint_tokenizers, check_tokenized_with
+from align_pipeline.datasets.stored import StoredVersions
 from align_pipeline.launch import run_torchrun
+from align_pipeline.pipelines.reuse import StageReuse, content_key
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +62,12 @@ def data_lineage(tokenizer: Artifact, train: Artifact, val: Artifact) -> dict[st
 
 def train_paths(section: StageRunConfig, stage_name: str, *, tokenizer: Artifact, train: Artifact, val: Artifact,
                 init_from: str | None, key: dict[str, Any]) -> tuple[TrainPaths, dict[str, Any]]:
-    """The paths and lineage of a supervised stage's job; ``key`` holds the job's config sections."""
+    """The paths and lineage of a supervised stage's job; ``key`` holds the job's config sections. The lineage
+    carries the job's reuse key (``reuse_key``, :func:`align_pipeline.pipelines.reuse.content_key`)."""
     lineage = {"data": data_lineage(tokenizer, train, val), "parent_checkpoint": init_from}
     check_checkpoint_tokenizers(tokenizer, **{f"{stage_name}'s starting checkpoint": init_from})
     run_dir = run_dir_for(section, stage_name, {"lineage": lineage, **key})
+    lineage["reuse_key"] = content_key(stage_name, lineage, key)
     paths = TrainPaths(run_dir=run_dir, train_data=str(Path(train.path).resolve()),
                        val_data=str(Path(val.path).resolve()), tokenizer=str(Path(tokenizer.path).resolve()),
                        init_from=init_from)
@@ -79,6 +85,7 @@ def rl_paths(section: StageRunConfig, stage_name: str, *, tokenizer: Artifact, p
     check_checkpoint_tokenizers(tokenizer, **{f"{stage_name}'s starting policy": policy, "sft_policy": sft_policy,
                                               "reward_model": reward_model})
     run_dir = run_dir_for(section, stage_name, {"lineage": lineage, **key})
+    lineage["reuse_key"] = content_key(stage_name, lineage, key)
     paths = RLPaths(run_dir=run_dir, prompts=str(Path(prompts_train.path).resolve()),
                     val_prompts=str(Path(prompts_val.path).resolve()), tokenizer=str(Path(tokenizer.path).resolve()),
                     policy=policy, reference=sft_policy, reward_model=reward_model)
@@ -184,14 +191,41 @@ def export_model(checkpoint: str, out: str, cfg: ExportConfig, run_dir: Path) ->
                         LaunchConfig(nproc_per_node=1), run_dir, name=f"export {Path(checkpoint).name}")
 
 
-def run_supervised_stage(module: str, job: Any, launch: LaunchConfig, section: StageRunConfig, stage_name: str,
-                         metric_keys: tuple[str, ...]) -> tuple[str, dict[str, float]]:
-    """Launch an SFT / reward-model / DPO job; return (model dir for the catalog, final metrics for MLflow)."""
-    (model_dir,), result = launch_stage(module, job, launch, section, stage_name, ("model_dir",))
+def reuse_or_launch(module: str, job: Any, launch: LaunchConfig, section: StageRunConfig, stage_name: str,
+                    output_keys: tuple[str, ...], stored: Sequence[StoredVersions | None],
+                    metrics_of: Callable[[dict[str, Any]], dict[str, float]]) -> tuple[list[str], dict[str, float]]:
+    """The stage's outputs (model dirs for the catalog) and final metrics: a stored version's (cloned) when one was
+    made with the job's reuse key (``job.lineage["reuse_key"]``) and ``section.reuse``; else the job's
+    (:func:`launch_stage`), with the key and metrics recorded in each output for the next run. ``stored``: the
+    outputs' ``<artifact>_stored`` inputs, in ``output_keys`` order."""
+    reuse = StageReuse(stage_name, job.lineage["reuse_key"], section.reuse, stored,
+                       Path(section.runs_dir).resolve() / stage_name)
+    found = reuse.find()
+    if found is not None:
+        dirs, record = found
+        return dirs, {k: float(v) for k, v in (record.get("metrics") or {}).items()}
+    dirs, result = launch_stage(module, job, launch, section, stage_name, output_keys)
+    metrics = metrics_of(result)
+    reuse.record(dirs, metrics)
+    return dirs, metrics
+
+
+def supervised_metrics(result: dict[str, Any], metric_keys: tuple[str, ...]) -> dict[str, float]:
+    """Final metrics of an SFT / reward-model / DPO job for MLflow."""
     metrics = {k: float(result[k]) for k in metric_keys if result.get(k) is not None}
     metrics["steps"] = float(result["step"])
     if result["history"]:
         metrics["first_train_loss"] = float(result["history"][0]["loss"])
+    return metrics
+
+
+def run_supervised_stage(module: str, job: Any, launch: LaunchConfig, section: StageRunConfig, stage_name: str,
+                         metric_keys: tuple[str, ...], stored: StoredVersions | None = None
+                         ) -> tuple[str, dict[str, float]]:
+    """Reuse or launch an SFT / reward-model / DPO job; return (model dir for the catalog, final metrics for
+    MLflow). ``stored``: the output's stored versions (None: always train)."""
+    (model_dir,), metrics = reuse_or_launch(module, job, launch, section, stage_name, ("model_dir",), [stored],
+                                            lambda result: supervised_metrics(result, metric_keys))
     return model_dir, metrics
 
 

@@ -1,6 +1,6 @@
 """DPO nodes: reference log-probs (computed once per key, verified and reused) and the DPO-family training job.
 
-``compute_reference_logps`` writes ``<dpo.reference_cache_dir>/<key>.npz`` (key: the sft_policy version, the
+``compute_reference_logps`` writes ``<dpo.reference_cache_dir>/<key>.npz`` (key: what the sft_policy is, the
 preference data and the tokenizer) through its job and returns its Artifact, which the catalog persists as
 ``dpo_reference_logps``; a cache that fails verification (:mod:`align_pipeline.data.reference_cache`) is recomputed
 with one warning. ``train_dpo`` trusts the catalog entry only for the key of its own inputs, so Kedro's partial runs
@@ -27,23 +27,22 @@ from align_pipeline.data.formats import (
     Artifact,
     check_checkpoint_tokenizers,
     check_tokenized_with,
-    checkpoint_meta,
     content_fingerprint,
 )
 from align_pipeline.data.reference_cache import cache_problem, npz_pairs
+from align_pipeline.datasets.stored import StoredVersions
 from align_pipeline.errors import UserError
 from align_pipeline.launch import run_torchrun
 from align_pipeline.pipelines.common import run_supervised_stage, train_paths, typed_params
+from align_pipeline.pipelines.reuse import model_identity
 
 log = logging.getLogger(__name__)
 
 
 def reference_key(reference: str, tokenizer: Artifact, pref_train: Artifact, pref_val: Artifact) -> str:
-    """Cache key: the reference checkpoint version (its path, stage, step and config hash) + data + tokenizer."""
-    meta = checkpoint_meta(reference)
-    ref_id = {"path": str(Path(reference).resolve()), "stage": meta.get("stage"), "step": meta.get("step"),
-              "config_hash": meta.get("lineage", {}).get("config_hash")}
-    return config_hash({"reference": ref_id, "pref_train": pref_train.fingerprint, "pref_val": pref_val.fingerprint,
+    """Cache key: what the reference model is (:func:`~align_pipeline.pipelines.reuse.model_identity`: a reused
+    version of the same model keeps the key) + data + tokenizer."""
+    return config_hash({"reference": model_identity(reference), "pref_train": pref_train.fingerprint, "pref_val": pref_val.fingerprint,
                         "tokenizer": tokenizer.fingerprint})
 
 
@@ -131,17 +130,19 @@ def resolve_reference_logps(saved: Artifact, cfg: DPOConfig, sft_policy: str, to
 
 def train_dpo(tokenizer: Artifact, pref_train: Artifact, pref_val: Artifact, sft_policy: str,
               dpo_reference_logps: Artifact, model: dict, parallel: dict, launch: dict,
-              dpo: dict) -> tuple[str, dict[str, float]]:
+              dpo: dict, stored: StoredVersions | None = None) -> tuple[str, dict[str, float]]:
     model_cfg, parallel_cfg, launch_cfg, cfg = typed_params(model, parallel, launch, dpo, DPOConfig, "dpo")
     dpo_reference_logps = resolve_reference_logps(dpo_reference_logps, cfg, sft_policy, tokenizer, pref_train,
                                                   pref_val)
     paths, lineage = train_paths(cfg, "dpo", tokenizer=tokenizer, train=pref_train, val=pref_val,
                                  init_from=cfg.init_from or sft_policy,
                                  key={"model": model_cfg, "parallel": parallel_cfg, "dpo": cfg,
-                                      "reference_logps": dpo_reference_logps.fingerprint})
+                                      "reference_logps": dpo_reference_logps.fingerprint,
+                                      "reference": model_identity(sft_policy)})
     job = DPOJob(dpo=cfg, model=model_cfg, parallel=parallel_cfg,
                  paths=DPOPaths(**to_dict(paths), reference_logps=dpo_reference_logps.path or None,
                                 reference=sft_policy if cfg.reference == "online" else None),
                  lineage={**lineage, "reference": sft_policy, "reference_logps": dpo_reference_logps.fingerprint})
     return run_supervised_stage("align_pipeline.train.dpo", job, launch_cfg, cfg, "dpo",
-                                metric_keys=("val_loss", "val_accuracy", "val_rewards_margin", "train_loss"))
+                                metric_keys=("val_loss", "val_accuracy", "val_rewards_margin", "train_loss"),
+                                stored=stored)

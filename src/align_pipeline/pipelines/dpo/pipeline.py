@@ -16,7 +16,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             node(
                 train_dpo,
                 inputs=["tokenizer", "pref_train", "pref_val", "sft_policy", "dpo_reference_logps", "params:model",
-                        "params:parallel", "params:launch", "params:dpo"],
+                        "params:parallel", "params:launch", "params:dpo", "dpo_policy_stored"],
                 outputs=["dpo_policy", "dpo_metrics"],
                 name="train_dpo",
             ),

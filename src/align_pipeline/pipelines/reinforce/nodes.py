@@ -5,12 +5,14 @@ from __future__ import annotations
 from align_pipeline.config import ConfigError, ReinforceConfig, ReinforceJob
 from align_pipeline.config.checks import check_reward_model
 from align_pipeline.data.formats import Artifact
-from align_pipeline.pipelines.common import check_rl_gate, launch_stage, rl_metrics, rl_paths, typed_params
+from align_pipeline.datasets.stored import StoredVersions
+from align_pipeline.pipelines.common import check_rl_gate, reuse_or_launch, rl_metrics, rl_paths, typed_params
 
 
 def train_reinforce(tokenizer: Artifact, prompts_train: Artifact, prompts_val: Artifact, sft_policy: str,
                     model: dict, parallel: dict, launch: dict, reinforce: dict,
-                    reward_model: str | None = None) -> tuple[str, dict[str, float]]:
+                    reward_model: str | None = None, stored: StoredVersions | None = None
+                    ) -> tuple[str, dict[str, float]]:
     """Returns (reinforce_policy dir, final metrics). ``reward_model`` is wired only by the ``reinforce_rm``
     pipeline; the default ``reinforce`` pipeline optimises the reward functions alone."""
     model_cfg, parallel_cfg, launch_cfg, cfg = typed_params(model, parallel, launch, reinforce, ReinforceConfig,
@@ -27,6 +29,6 @@ def train_reinforce(tokenizer: Artifact, prompts_train: Artifact, prompts_val: A
                               prompts_val=prompts_val, sft_policy=sft_policy, reward_model=reward_model,
                               key={"model": model_cfg, "parallel": parallel_cfg, "reinforce": cfg})
     job = ReinforceJob(reinforce=cfg, model=model_cfg, parallel=parallel_cfg, paths=paths, lineage=lineage)
-    (policy,), result = launch_stage("align_pipeline.train.reinforce", job, launch_cfg, cfg,
-                                     "reinforce", ("actor_dir",))
-    return policy, rl_metrics(result)
+    (policy,), metrics = reuse_or_launch("align_pipeline.train.reinforce", job, launch_cfg, cfg, "reinforce",
+                                         ("actor_dir",), [stored], rl_metrics)
+    return policy, metrics

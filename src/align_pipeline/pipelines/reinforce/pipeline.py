@@ -7,7 +7,7 @@ def create_pipeline(reward_model: bool = False, **kwargs) -> Pipeline:
     """``reward_model=True`` wires the catalog's reward_model in (for ``reward.reward_model_weight`` > 0)."""
     inputs = {"tokenizer": "tokenizer", "prompts_train": "prompts_train", "prompts_val": "prompts_val",
               "sft_policy": "sft_policy", "model": "params:model", "parallel": "params:parallel",
-              "launch": "params:launch", "reinforce": "params:reinforce"}
+              "launch": "params:launch", "reinforce": "params:reinforce", "stored": "reinforce_policy_stored"}
     if reward_model:
         inputs["reward_model"] = "reward_model"
     return pipeline([node(train_reinforce, inputs=inputs, outputs=["reinforce_policy", "reinforce_metrics"],

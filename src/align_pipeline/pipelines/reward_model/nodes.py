@@ -6,11 +6,13 @@ from __future__ import annotations
 from align_pipeline.config import RewardModelConfig, RewardModelJob
 from align_pipeline.config.base import ConfigError
 from align_pipeline.data.formats import Artifact
+from align_pipeline.datasets.stored import StoredVersions
 from align_pipeline.pipelines.common import run_supervised_stage, train_paths, typed_params
 
 
 def train_reward_model(tokenizer: Artifact, pref_train: Artifact, pref_val: Artifact, sft_policy: str, model: dict,
-                       parallel: dict, launch: dict, reward_model: dict) -> tuple[str, dict[str, float]]:
+                       parallel: dict, launch: dict, reward_model: dict,
+                       stored: StoredVersions | None = None) -> tuple[str, dict[str, float]]:
     model_cfg, parallel_cfg, launch_cfg, cfg = typed_params(model, parallel, launch, reward_model, RewardModelConfig,
                                                             "reward_model")
     kind = pref_train.meta.get("kind")
@@ -25,4 +27,4 @@ def train_reward_model(tokenizer: Artifact, pref_train: Artifact, pref_val: Arti
     job = RewardModelJob(reward_model=cfg, model=model_cfg, parallel=parallel_cfg, paths=paths, lineage=lineage)
     return run_supervised_stage("align_pipeline.train.reward_model", job, launch_cfg, cfg,
                                 "reward_model", metric_keys=("val_loss", "val_accuracy", "val_reward_margin",
-                                                             "train_loss"))
+                                                             "train_loss"), stored=stored)

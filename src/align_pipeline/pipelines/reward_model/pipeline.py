@@ -11,7 +11,7 @@ def create_pipeline(data: str = "pref", **kwargs) -> Pipeline:
             node(
                 train_reward_model,
                 inputs=["tokenizer", f"{data}_train", f"{data}_val", "sft_policy", "params:model", "params:parallel",
-                        "params:launch", "params:reward_model"],
+                        "params:launch", "params:reward_model", "reward_model_stored"],
                 outputs=["reward_model", "reward_model_metrics"],
                 name="train_reward_model" if data == "pref" else "train_regression_reward_model",
             )

@@ -16,6 +16,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                     "params:parallel",
                     "params:launch",
                     "params:sft",
+                    "sft_policy_stored",
                 ],
                 outputs=["sft_policy", "sft_metrics"],
                 name="train_sft",
