@@ -74,7 +74,7 @@ def test_sigkilled_agent_takes_its_ranks_and_their_children_along(tmp_path):
     agent.kill()
     job.join(60)
     assert not job.is_alive()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a loaded machine (the loop ends as soon as they are gone)
     while not all(_gone(pid) for pid in ranks + children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_gone(pid) for pid in ranks + children), "ranks or their children outlived the agent"
