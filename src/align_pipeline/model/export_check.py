@@ -308,19 +308,11 @@ def check_export(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, work_
     ids = torch.tensor(result["tokens"])
     model, theirs = None, None
     try:
+        from align_pipeline.model.hf_export import hf_outputs, load_hf  # hf_export imports this module
+
         with torch.no_grad():
-            if head == "value":
-                from transformers import AutoModelForSequenceClassification
-
-                model = AutoModelForSequenceClassification.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-                hidden = getattr(model, model.base_model_prefix)(ids).last_hidden_state
-                theirs = model.score(hidden) + torch.tensor(
-                    (getattr(model.config, "align_pipeline", None) or {}).get("score_bias") or 0.0)
-            else:
-                from transformers import AutoModelForCausalLM
-
-                model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-                theirs = model(ids).logits
+            model = load_hf(hf_dir, head)
+            theirs = hf_outputs(model, head, ids)
     except Exception as exc:  # noqa: BLE001 - the export failing on ids of the real vocabulary is the finding
         checks.append(Check("logits", False, f"transformers fails on ids < {meta['vocab_size']}: "
                             f"{type(exc).__name__}: {exc}"))

@@ -607,6 +607,27 @@ def export_peft(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             "params": sum(t.numel() for t in tensors.values()), "base_model": config["base_model_name_or_path"]}
 
 
+def load_hf(hf_dir: str | os.PathLike, head: str):
+    """The export loaded by ``transformers`` in fp32 (``head="value"``: as ``*ForSequenceClassification``)."""
+    if head == "value":
+        from transformers import AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+
+
+def hf_outputs(model, head: str, ids: torch.Tensor) -> torch.Tensor:
+    """A loaded export's outputs on ``ids``: a policy's logits, or a value model's per-token values (its score layer
+    on every position, plus the ``score_bias`` the export's note keeps). Call under ``torch.no_grad()``."""
+    if head == "value":
+        hidden = getattr(model, model.base_model_prefix)(ids).last_hidden_state
+        return model.score(hidden) + torch.tensor(
+            (getattr(model.config, "align_pipeline", None) or {}).get("score_bias") or 0.0)
+    return model(ids).logits
+
+
 def check_parity(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, work_dir: str | os.PathLike,
                  batch: int = 2, length: int = 16, seed: int = 0) -> float:
     """``max |Δ|`` between our checkpoint (Megatron, fp32, one rank) and an HF directory (``transformers``, fp32) on
@@ -625,20 +646,9 @@ def check_parity(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, work_
     work_dir.mkdir(parents=True, exist_ok=True)
     ours = run_torchrun("align_pipeline.model.logits_job", {"checkpoint": str(checkpoint), "tokens": tokens},
                         LaunchConfig(nproc_per_node=1), work_dir, name="--check")["logits"]
-    ids = torch.tensor(tokens)
     with torch.no_grad():
-        if meta.get("head", "lm") == "value":
-            from transformers import AutoModelForSequenceClassification
-
-            model = AutoModelForSequenceClassification.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-            hidden = getattr(model, model.base_model_prefix)(ids).last_hidden_state
-            theirs = model.score(hidden) + torch.tensor(
-                (getattr(model.config, "align_pipeline", None) or {}).get("score_bias") or 0.0)
-        else:
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-            theirs = model(ids).logits
+        head = meta.get("head", "lm")
+        theirs = hf_outputs(load_hf(hf_dir, head), head, torch.tensor(tokens))
     ours_t = torch.tensor(ours, dtype=torch.float32)
     if tuple(theirs.shape) != tuple(ours_t.shape):
         raise HFExportError(f"output shapes differ: HF {tuple(theirs.shape)} vs ours {tuple(ours_t.shape)}")
