@@ -22,7 +22,8 @@ from align_pipeline.config import (
     SFTJob,
     from_dict,
 )
-from align_pipeline.config.checks import Arch, Names, check_job, check_job_layout, hf_arch, launch_world
+from align_pipeline.config.checks import Arch, Names, check_job, check_job_layout, hf_arch
+from align_pipeline.launch.world import world_size
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,8 +89,8 @@ def test_shipped_environments_load_and_validate(env):
     model directory from `--params hf_model_dir=...` for both the tokenizer and SFT's starting weights."""
     from kedro.config import OmegaConfigLoader
 
+    from align_pipeline.kedro.params_hook import PARAM_SCHEMAS, validate_params
     from align_pipeline.settings import CONFIG_LOADER_ARGS
-    from align_pipeline.validation import PARAM_SCHEMAS, validate_params
 
     loader = OmegaConfigLoader(str(REPO / "conf"), env=env, runtime_params={"hf_model_dir": "/models/x"},
                                **{k: v for k, v in CONFIG_LOADER_ARGS.items()})
@@ -214,14 +215,14 @@ def _layout(stage: str = "sft", model: Arch | None = HEADS4, section=None, world
 
 def test_world_size_must_be_divisible_by_tp_times_pp():
     launch = from_dict(LaunchConfig, {"nproc_per_node": 1}, "params:launch")
-    world, desc = launch_world(launch)
+    world, desc = world_size(launch)
     with pytest.raises(ConfigError, match=r"params:launch.nproc_per_node=1 x params:launch.nnodes=1 \(world size 1\) "
                                           r"is not divisible by params:parallel.tensor_model_parallel_size=2 x "
                                           r"params:parallel.pipeline_model_parallel_size=1"):
         check_job_layout("sft", config.SFTConfig(), ParallelConfig(tensor_model_parallel_size=2), world,
                          names=Names(section="params:sft", world=desc))
     # 3 per node x 2 nodes = 6 = TP 2 x PP 1 x DP 3
-    world, _ = launch_world(LaunchConfig(nproc_per_node=3, nnodes=2, master_port=29500))
+    world, _ = world_size(LaunchConfig(nproc_per_node=3, nnodes=2, master_port=29500))
     assert world == 6
     assert _layout(world=6, tensor_model_parallel_size=2, section=config.SFTConfig(
         training=config.TrainingConfig(global_batch_size=6, micro_batch_size=2))) == 3
@@ -231,10 +232,10 @@ def test_world_size_must_be_divisible_by_tp_times_pp():
 
 def test_nproc_gpus_is_resolved_and_no_visible_gpu_is_an_error():
     gpus = LaunchConfig(nproc_per_node="gpus")
-    assert launch_world(gpus, gpus=lambda: 4) == (
+    assert world_size(gpus, gpus=lambda: 4) == (
         4, "params:launch.nproc_per_node=gpus (4 visible) x params:launch.nnodes=1 (world size 4)")
     with pytest.raises(ConfigError, match="params:launch.nproc_per_node=gpus but no GPU is visible"):
-        launch_world(gpus, gpus=lambda: 0)
+        world_size(gpus, gpus=lambda: 0)
 
 
 def test_tp_must_divide_the_attention_heads():
@@ -403,7 +404,7 @@ def _base_parameters() -> dict:
 
 
 def test_the_default_project_passes_every_layout_rule(pipelines):
-    from align_pipeline.validation import PARAM_SCHEMAS, check_layouts, validate_params
+    from align_pipeline.kedro.params_hook import PARAM_SCHEMAS, check_layouts, validate_params
 
     params = _base_parameters()
     validate_params(params, set(PARAM_SCHEMAS))
@@ -416,8 +417,8 @@ def test_the_gpu_environment_passes_every_layout_rule(pipelines, gpus):
     """conf/gpu launches one process per visible GPU; its batches split at 1, 2 or 4 GPUs."""
     from kedro.config import OmegaConfigLoader
 
+    from align_pipeline.kedro.params_hook import check_layouts
     from align_pipeline.settings import CONFIG_LOADER_ARGS
-    from align_pipeline.validation import check_layouts
 
     params = OmegaConfigLoader(str(REPO / "conf"), env="gpu", **CONFIG_LOADER_ARGS)["parameters"]
     for pipeline in pipelines.values():
@@ -426,7 +427,7 @@ def test_the_gpu_environment_passes_every_layout_rule(pipelines, gpus):
 
 def test_hook_checks_the_stage_with_the_model_from_params_when_sft_makes_it(pipelines, tmp_path):
     """rlhf trains sft_policy itself: the later stages build params:model, not the catalog's older version."""
-    from align_pipeline.validation import check_layouts
+    from align_pipeline.kedro.params_hook import check_layouts
 
     stale = _Catalog(sft_policy=_checkpoint(tmp_path / "old", num_attention_heads=3))
     check_layouts(_params(tp=2, nproc=2), pipelines["rlhf"], stale)  # params:model: 4 heads % TP 2 = 0
@@ -436,7 +437,7 @@ def test_hook_checks_the_stage_with_the_model_from_params_when_sft_makes_it(pipe
 
 
 def test_hook_reads_the_starting_checkpoint_of_a_stage_run_alone(pipelines, tmp_path):
-    from align_pipeline.validation import check_layouts
+    from align_pipeline.kedro.params_hook import check_layouts
 
     ckpt = _checkpoint(tmp_path / "sft", num_attention_heads=3, num_layers=3)
     with pytest.raises(ConfigError, match=rf"params:parallel.tensor_model_parallel_size=2 does not divide "
@@ -447,7 +448,7 @@ def test_hook_reads_the_starting_checkpoint_of_a_stage_run_alone(pipelines, tmp_
 
 
 def test_hook_reads_init_from_instead_of_params_model(pipelines, tmp_path):
-    from align_pipeline.validation import check_layouts
+    from align_pipeline.kedro.params_hook import check_layouts
 
     ckpt = _checkpoint(tmp_path / "start", num_attention_heads=6)
     sft = {"init_from": str(ckpt)}
@@ -459,7 +460,7 @@ def test_hook_reads_init_from_instead_of_params_model(pipelines, tmp_path):
 
 def test_hook_checks_the_frozen_models_an_rl_stage_builds(pipelines, tmp_path):
     """reinforce builds the reward model only when its weight is not 0 (reinforce_rm); ppo always (critic, RM)."""
-    from align_pipeline.validation import check_layouts
+    from align_pipeline.kedro.params_hook import check_layouts
 
     catalog = _Catalog(sft_policy=_checkpoint(tmp_path / "sft", num_attention_heads=4),
                        reward_model=_checkpoint(tmp_path / "rm", num_attention_heads=3))
@@ -473,7 +474,7 @@ def test_hook_checks_the_frozen_models_an_rl_stage_builds(pipelines, tmp_path):
 
 
 def test_hook_resolves_gpus_only_for_stage_nodes(pipelines):
-    from align_pipeline.validation import check_layouts
+    from align_pipeline.kedro.params_hook import check_layouts
 
     params = {**_params(), "launch": {"nproc_per_node": "gpus"}}
     check_layouts(params, pipelines["data_prep"], _Catalog(), gpus=lambda: 0)  # launches nothing
@@ -487,5 +488,7 @@ def test_launch_backend_names_the_launcher_and_its_old_values_the_distributed_ba
     assert (old.backend, old.dist_backend) == ("local", "gloo")
     new = from_dict(config.LaunchConfig, {"backend": "slurm", "dist_backend": "nccl"}, "params:launch")
     assert (new.backend, new.dist_backend) == ("slurm", "nccl")
-    with pytest.raises(ConfigError, match="slurm.gpus_per_node"):
-        from_dict(config.LaunchConfig, {"backend": "slurm", "nproc_per_node": "gpus"}, "params:launch")
+    with pytest.raises(ConfigError, match="params:launch.nproc_per_node=gpus with backend slurm needs "
+                                          "params:launch.slurm.gpus_per_node"):  # the job's nodes, not this one's
+        world_size(from_dict(config.LaunchConfig, {"backend": "slurm", "nproc_per_node": "gpus"}, "params:launch"),
+                   gpus=lambda: 8)

@@ -10,7 +10,8 @@ import sys
 
 from rich.console import Console
 
-from align_pipeline.console import KNOWN_WARNINGS, job_warning_filters, plain_logging_when_piped
+from align_pipeline.kedro.console import plain_logging_when_piped
+from align_pipeline.launch.env import KNOWN_WARNINGS, job_warning_filters
 
 
 def _logger(name: str, terminal: bool) -> tuple[logging.Logger, io.StringIO]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from align_pipeline.hooks import MlflowHook
+from align_pipeline.kedro.model_registry import register
+from align_pipeline.kedro.tracking_store import TrackingStore
 from align_pipeline.model.export_check import CHECK_FILE
 
 
@@ -15,14 +16,14 @@ def test_only_checked_or_opted_out_exports_are_registered(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     run = client.create_run(client.create_experiment("e"), tags={"lineage.sft_policy": "v1"}).info.run_id
-    hook = MlflowHook()
-    hook._tracking_uri = uri
+    store = TrackingStore()
+    store.uri = uri
     for status in ("passed", "skipped", "failed", None):
         export = tmp_path / f"export_{status}"
         export.mkdir()
         if status is not None:
             (export / CHECK_FILE).write_text(json.dumps({"status": status, "checks": []}))
-        hook._register(client, "sft_policy_hf", f"version_{status}", str(export), run)
+        register(store, "sft_policy_hf", f"version_{status}", str(export), run)
     registered = {v.tags["lineage.out.sft_policy_hf"]: v.tags for v in
                   client.search_model_versions("name = 'sft_policy_hf'")}
     assert sorted(registered) == ["version_passed", "version_skipped"]

@@ -1,4 +1,4 @@
-"""Gates (align_pipeline.gates): the reward-model gate before an RL stage, promotion by gain over SFT and KL, with
+"""Gates (align_pipeline.evaluation.gates): the reward-model gate before an RL stage, promotion by gain over SFT and KL, with
 hand-computed values."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from align_pipeline.errors import UserError
-from align_pipeline.gates import GateFailed, check_reward_model_gate, gates_markdown, promotion
+from align_pipeline.evaluation.gates import GateFailed, check_reward_model_gate, gates_markdown, promotion
 
 POLICIES = {
     "sft": {"accuracy": 0.40, "kl_to_reference": 0.0},

@@ -20,8 +20,9 @@ import pytest
 from kedro.pipeline import Pipeline, node
 from mlflow.tracking import MlflowClient
 
-from align_pipeline.hooks import MlflowHook
-from align_pipeline.pipelines.common import RUN_DIR_CLEANUP
+from align_pipeline.kedro.jobs_hook import JobsHook
+from align_pipeline.kedro.mlflow_hook import MlflowHook
+from align_pipeline.kedro.run_dirs import RUN_DIR_CLEANUP
 from align_pipeline.tracking import child_run_env, default_tracking_uri
 
 pytestmark = pytest.mark.slow  # launches torchrun jobs or a KedroSession
@@ -223,17 +224,12 @@ def _train_node_deferring(run_dir: Path):
     return node(fit, "data", ["model", "fit_metrics"], name="fit")
 
 
-@pytest.mark.parametrize("tracking", ["on", "off"])
-def test_run_dir_is_deleted_after_the_outputs_are_stored_and_kept_when_a_save_fails(
-    project, tmp_path, monkeypatch, tracking
-):
-    if tracking == "off":  # the clean-up does not depend on MLflow
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+def test_run_dir_is_deleted_after_the_outputs_are_stored_and_kept_when_a_save_fails(tmp_path):
+    """JobsHook alone (the clean-up does not depend on MLflow)."""
     run_dir = tmp_path / "runs" / "fit"
     n = _train_node_deferring(run_dir)
     for fail in (None, "model"):
-        hook = MlflowHook()
-        hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
+        hook = JobsHook()
         hook.before_pipeline_run(run_params={"run_id": str(fail)}, pipeline=Pipeline([n]), catalog=None)
         hook.before_node_run(node=n, inputs={"data": 1})
         outputs = dict(zip(n.outputs, n.func(1)))
@@ -252,11 +248,10 @@ def test_run_dir_is_deleted_after_the_outputs_are_stored_and_kept_when_a_save_fa
     assert not run_dir.exists()
 
 
-def test_node_error_keeps_the_run_dir(project, tmp_path):
+def test_node_error_keeps_the_run_dir(tmp_path):
     run_dir = tmp_path / "runs" / "fit"
     n = _train_node_deferring(run_dir)
-    hook = MlflowHook()
-    hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
+    hook = JobsHook()
     hook.before_pipeline_run(run_params={"run_id": "x"}, pipeline=Pipeline([n]), catalog=None)
     hook.before_node_run(node=n, inputs={"data": 1})
     n.func(1)
@@ -296,7 +291,7 @@ def test_store_that_goes_away_during_the_run_turns_tracking_off_once(project, mo
     n = PIPELINE.nodes[1]
     hook.before_node_run(node=n, inputs={})
     down = f"http://127.0.0.1:{closed_port()}"
-    monkeypatch.setattr(hook, "_tracking_uri", down)  # the server goes away (MLflow's retries left at defaults)
+    monkeypatch.setattr(hook.store, "uri", down)  # the server goes away (MLflow's retries left at defaults)
     outputs = dict(zip(n.outputs, train(None, None)))
     hook.after_node_run(node=n, outputs=outputs)  # bounded, probes: tracking off
     _save_outputs(hook, n, outputs)
@@ -387,7 +382,7 @@ def test_real_kedro_session(project, tmp_path):
     (project / "conf" / "base" / "parameters.yml").write_text("train:\n  lr: 0.1\n  fail: false\n")
     (project / "conf" / "base" / "catalog.yml").write_text("{}\n")  # everything in memory
     (src / "__init__.py").write_text("")
-    (src / "settings.py").write_text("from align_pipeline.hooks import MlflowHook\nHOOKS = (MlflowHook(),)\n")
+    (src / "settings.py").write_text("from align_pipeline.kedro.mlflow_hook import MlflowHook\nHOOKS = (MlflowHook(),)\n")
     (src / "pipeline_registry.py").write_text(
         textwrap.dedent("""
         from kedro.pipeline import Pipeline, node
@@ -437,7 +432,7 @@ def test_real_kedro_session(project, tmp_path):
 
 
 def test_a_failed_gate_is_tagged_on_the_node_and_the_parent(project):
-    from align_pipeline.gates import GateFailed
+    from align_pipeline.evaluation.gates import GateFailed
 
     hook = MlflowHook()
     hook.after_context_created(context=SimpleNamespace(project_path=project, env="local"))
@@ -460,7 +455,7 @@ import os, signal, sys
 from pathlib import Path
 from types import SimpleNamespace
 from kedro.pipeline import Pipeline, node
-from align_pipeline.hooks import MlflowHook
+from align_pipeline.kedro.mlflow_hook import MlflowHook
 
 project, session, end = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 work = node(len, "data", "n", name="work")

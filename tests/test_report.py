@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from align_pipeline.report import UNGROUPED, group_labels, group_means, rank_policies, report_table
+from align_pipeline.evaluation.report import UNGROUPED, group_labels, group_means, rank_policies, report_table
 
 
 def _m(acc: float, greedy: float | None = None, kl: float = 0.0) -> dict:

@@ -5,15 +5,17 @@ import os
 # Kedro's telemetry plugin (pulled in by kedro-viz) tries the network at start-up.
 os.environ.setdefault("KEDRO_DISABLE_TELEMETRY", "true")
 
-from align_pipeline.config_loader import ProjectConfigLoader
-from align_pipeline.data_prep_hook import StagedOutputsHook
-from align_pipeline.hooks import MlflowHook
-from align_pipeline.validation import ParamsValidationHook
+from align_pipeline.kedro.config_loader import ProjectConfigLoader
+from align_pipeline.kedro.jobs_hook import JobsHook
+from align_pipeline.kedro.mlflow_hook import MlflowHook
+from align_pipeline.kedro.params_hook import ParamsValidationHook
+from align_pipeline.kedro.staged_outputs import StagedOutputsHook
 
 # pluggy calls the most recently registered implementation first: parameters are validated before the MLflow parent
 # run is opened, so a bad config neither launches anything nor leaves a run behind.
-# StagedOutputsHook writes data_prep's outputs as one unit (catalog entries with ``commit_group``).
-HOOKS = (MlflowHook(), ParamsValidationHook(), StagedOutputsHook())
+# StagedOutputsHook writes data_prep's outputs as one unit (catalog entries with ``commit_group``); JobsHook deletes a
+# training node's run directory once its outputs are stored (kept on failure) and releases multi-node workers.
+HOOKS = (MlflowHook(), JobsHook(), ParamsValidationHook(), StagedOutputsHook())
 # Our MlflowHook does the tracking (parent run per `kedro run`, child run per node); kedro-mlflow, if a user has it
 # installed, would open a conflicting run of its own.
 DISABLE_HOOKS_FOR_PLUGINS = ("kedro-mlflow",)

@@ -229,8 +229,8 @@ def _run_node(catalog_dir: Path, seed: int, blocked: bool = False, is_async: boo
     from kedro.pipeline import Node, Pipeline
     from kedro.runner import SequentialRunner
 
-    from align_pipeline.data_prep_hook import StagedOutputsHook
     from align_pipeline.datasets import TokenizedNpzDataset, TokenizerDirDataset
+    from align_pipeline.kedro.staged_outputs import StagedOutputsHook
 
     last_dir = catalog_dir / ("blocker" if blocked else "out")  # a file where the directory must go: saving fails
     catalog = DataCatalog(

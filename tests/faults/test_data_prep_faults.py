@@ -77,7 +77,7 @@ def _session(project: Path):
     from kedro.framework.session import KedroSession
     from kedro.framework.startup import bootstrap_project
 
-    from align_pipeline.data_prep_hook import StagedOutputsHook
+    from align_pipeline.kedro.staged_outputs import StagedOutputsHook
 
     bootstrap_project(project)
     session = KedroSession.create(project_path=project)

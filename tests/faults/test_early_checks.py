@@ -137,9 +137,9 @@ def test_a_supported_hf_directory_passes_the_checks(prepared):
     """The same checks pass a llama directory whose vocab_size covers its tokenizer, for every pipeline (no run)."""
     from kedro.config import OmegaConfigLoader
 
+    from align_pipeline.kedro.params_hook import check_layouts, pipeline_tokenizer
     from align_pipeline.pipeline_registry import register_pipelines
     from align_pipeline.settings import CONFIG_LOADER_ARGS
-    from align_pipeline.validation import check_layouts, pipeline_tokenizer
 
     root, hf = prepared["root"], str(prepared["hf"])
     _params(root, {"data_prep": {"tokenizer": {"hf_model_dir": hf}}, "sft": {"init_from": hf},

@@ -97,7 +97,8 @@ def test_success_returns_result_streams_rank0_and_keeps_rank_logs(tmp_path, capl
 
     assert result["world_size"] == 2
     assert result["allreduced"] == 8.0  # 3 all-reduces of ones over 2 ranks
-    assert result["env"] == {"OMP_NUM_THREADS": "1", "ALIGN_BACKEND": "gloo", "NCCL_NVLS_ENABLE": "0", "TOY": "yes"}
+    # dist_backend auto: the launcher sets no backend, each rank picks (gloo here: no CUDA)
+    assert result["env"] == {"OMP_NUM_THREADS": "1", "ALIGN_BACKEND": None, "NCCL_NVLS_ENABLE": "0", "TOY": "yes"}
     assert json.loads((tmp_path / "config.json").read_text())["run_dir"] == str(tmp_path.resolve())
 
     streamed = [r.getMessage() for r in caplog.records if r.name == "align_pipeline.launch"]

@@ -27,7 +27,7 @@ def main() -> None:
     run_dir = Path(cfg["run_dir"])
     mode, steps = cfg.get("mode", "ok"), cfg.get("steps", 3)
 
-    dist.init_process_group(os.environ["ALIGN_BACKEND"])
+    dist.init_process_group(os.environ.get("ALIGN_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo"))
     rank, world = dist.get_rank(), dist.get_world_size()
     (run_dir / f"pid{rank}").write_text(str(os.getpid()))
     print(f"rank {rank} on stderr", file=sys.stderr)

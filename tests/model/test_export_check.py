@@ -19,10 +19,16 @@ import pytest
 from chat_tokenizers import make_chat_tokenizer_dir
 
 from align_pipeline.data.tokenizer import load_tokenizer
+from align_pipeline.launch.model_jobs import checkpoint_outputs
 from align_pipeline.model.export_check import CHECK_FILE, ExportRefused, check_export, read_status
 from align_pipeline.model.hf_export import export_hf
 
 pytestmark = pytest.mark.slow  # launches torchrun jobs
+
+
+def _ours(work):
+    """Our side of the check from a one-rank job of train/jobs/logits (as `export --check` runs it)."""
+    return lambda request: checkpoint_outputs(request, work)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -100,7 +106,7 @@ def test_check_passes_on_a_good_export_and_names_what_a_broken_one_breaks(tiny_m
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (foreign / name).exists():
             shutil.copy(foreign / name, swapped / name)
-    checks = {c.name: c for c in check_export(tiny_models["sft"], swapped, tmp_path / "work1", 1e-4)}
+    checks = {c.name: c for c in check_export(tiny_models["sft"], swapped, 1e-4, our_side=_ours(tmp_path / "work1"))}
     assert checks["vocab"].ok is False and "embedding rows" in checks["vocab"].detail
     assert checks["fingerprint"].ok is False and "differs from the packed one's" in checks["fingerprint"].detail
     assert checks["special_tokens"].ok is False and checks["chat_template"].ok is False
@@ -117,7 +123,7 @@ def test_check_passes_on_a_good_export_and_names_what_a_broken_one_breaks(tiny_m
     save_file(tensors, str(cut / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((cut / "config.json").read_text())
     (cut / "config.json").write_text(json.dumps({**config, "vocab_size": 40}))
-    checks = {c.name: c for c in check_export(tiny_models["sft"], cut, tmp_path / "work2", 1e-4)}
+    checks = {c.name: c for c in check_export(tiny_models["sft"], cut, 1e-4, our_side=_ours(tmp_path / "work2"))}
     assert checks["vocab"].ok is False and "44 tokens" in checks["vocab"].detail and "40 embedding" in \
         checks["vocab"].detail
     assert checks["logits"].ok is False and "IndexError" in checks["logits"].detail  # as `generate` failed

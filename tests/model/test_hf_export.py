@@ -32,7 +32,7 @@ def _megatron_logits(checkpoint: str, run_dir: Path, tokens: list | None = None)
     cfg = {"run_dir": str(run_dir), "checkpoint": checkpoint, "parallel": {}, "tokens": tokens or TOKENS}
     (run_dir / "config.json").write_text(json.dumps(cfg))
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m",
-                    "align_pipeline.model.logits_job", "--config",
+                    "align_pipeline.train.jobs.logits", "--config",
                     str(run_dir / "config.json")], check=True, capture_output=True)
     return np.asarray(json.loads((run_dir / "result.json").read_text())["logits"])
 
@@ -156,7 +156,7 @@ def imported(tmp_path_factory):
     """Every tiny HF family, saved with save_pretrained and imported at a different TP/PP layout by import_hf."""
     from hf_models import tiny_family_models
 
-    from align_pipeline.model.hf_export import import_hf
+    from align_pipeline.launch.model_jobs import import_hf
 
     root = tmp_path_factory.mktemp("import")
     layouts = {"llama3": (2, 1), "qwen3": (1, 2), "mistral": (2, 1), "qwen2": (1, 1)}

@@ -49,7 +49,7 @@ def test_an_env_writes_under_its_own_data_root(tmp_path, monkeypatch):
 
 
 def test_an_env_with_its_own_globals_keeps_its_data_root(tmp_path):
-    from align_pipeline.config_loader import ProjectConfigLoader
+    from align_pipeline.kedro.config_loader import ProjectConfigLoader
     from align_pipeline.settings import CONFIG_LOADER_ARGS
 
     root = copy_project(tmp_path / "proj", raw=False)

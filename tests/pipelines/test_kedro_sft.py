@@ -173,7 +173,7 @@ def test_rlhf_on_a_fresh_project_then_reinforce_on_its_sft_policy(project):
     assert len(list((models / "ppo_policy").iterdir())) == 1 and len(list((models / "ppo_critic").iterdir())) == 1
 
     # a reward-model gate PPO cannot pass: the node stops before any job, with the message and the MLflow tags
-    from align_pipeline.gates import GateFailed
+    from align_pipeline.evaluation.gates import GateFailed
 
     fast = yaml.safe_load((project / "conf" / "test" / "parameters_fast.yml").read_text())
     fast["ppo"]["gate"] = {"min_reward_model_accuracy": 1.0}  # the tiny RM is below 1 (the range is [0, 1])

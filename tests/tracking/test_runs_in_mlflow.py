@@ -109,7 +109,7 @@ def runs(tmp_path_factory):
     (project / "conf" / "base" / "parameters.yml").write_text("train:\n  lr: 0.1\n  data_seed: 7\n")
     (project / "conf" / "base" / "catalog.yml").write_text(CATALOG)
     (src / "__init__.py").write_text("")
-    (src / "settings.py").write_text("from align_pipeline.hooks import MlflowHook\nHOOKS = (MlflowHook(),)\n")
+    (src / "settings.py").write_text("from align_pipeline.kedro.mlflow_hook import MlflowHook\nHOOKS = (MlflowHook(),)\n")
     (src / "pipeline_registry.py").write_text(PIPELINE)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env["KEDRO_DISABLE_TELEMETRY"] = "true"

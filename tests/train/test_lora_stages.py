@@ -41,7 +41,7 @@ def straight(data, base, tmp_path_factory):
 
 def _logits(checkpoint: str, run_dir: Path, tokens, tp: int = 1) -> np.ndarray:
     run_dir.mkdir(parents=True)
-    result = run_torchrun("align_pipeline.model.logits_job",
+    result = run_torchrun("align_pipeline.train.jobs.logits",
                           {"checkpoint": checkpoint, "parallel": {"tensor_model_parallel_size": tp}, "tokens": tokens},
                           LaunchConfig(nproc_per_node=tp), run_dir)
     return np.asarray(result["logits"])

@@ -41,7 +41,7 @@ def _independent_logps(policy: str, npz: str, rows: slice, run_dir: Path) -> tup
         ids, labels, mask = (arrays[f"{side}_{k}"][rows] for k in ("input_ids", "labels", "loss_mask"))
         run_dir_side = run_dir / side
         run_dir_side.mkdir(parents=True)
-        logits = np.asarray(run_torchrun("align_pipeline.model.logits_job", {"checkpoint": policy, "parallel": {},
+        logits = np.asarray(run_torchrun("align_pipeline.train.jobs.logits", {"checkpoint": policy, "parallel": {},
                                                             "tokens": ids.tolist()},
                                          LaunchConfig(), run_dir_side)["logits"])  # [b, s, V]
         logits = logits - logits.max(-1, keepdims=True)

@@ -103,7 +103,7 @@ def outputs_of(model_dir: str, run_dir: Path, nproc: int = 1, parallel: dict | N
     import sys
 
     subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    "-m", "align_pipeline.model.logits_job", "--config", str(run_dir / "config.json")],
+                    "-m", "align_pipeline.train.jobs.logits", "--config", str(run_dir / "config.json")],
                    check=True, capture_output=True)
     return json.loads((run_dir / "result.json").read_text())["logits"]
 

@@ -63,7 +63,7 @@ def test_loss_decreases(reference):
 def _logits(checkpoint: str, tp: int, run_dir: Path, tokens) -> np.ndarray:
     run_dir.mkdir(parents=True)
     result = run_torchrun(
-        "align_pipeline.model.logits_job",
+        "align_pipeline.train.jobs.logits",
         {"checkpoint": checkpoint, "parallel": {"tensor_model_parallel_size": tp}, "tokens": tokens},
         LaunchConfig(nproc_per_node=tp),
         run_dir,

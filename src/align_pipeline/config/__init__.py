@@ -8,104 +8,64 @@ the node resolved + lineage.
 * one module per stage: the stage's section (``params:<stage>``) and its job;
 * :mod:`.checks` – the rules that span sections (world size vs TP x PP, heads / layers / sequence vs TP and PP,
   PP = 1 for generating stages, batches over data-parallel ranks), applied by the Kedro hook before any node runs
-  and by each entry point at its start. A section's own ranges are its ``validate(where)``.
+  and by each entry point at its start (the world size itself: :mod:`align_pipeline.launch.world`). A section's own
+  ranges are its ``validate(where)``;
+* :mod:`.guards` – the hyper-parameter guards of the pure loss and RL functions; :mod:`.reward_spec` – a
+  ``module:function`` reward spec, imported and checked; :mod:`.sections` – ``params:<section>`` -> its dataclass.
 
-Every field has a docstring; nothing here imports Kedro, Megatron or torch.
+Every field has a docstring; nothing here imports Kedro, Megatron, torch or any other part of the project but
+:mod:`align_pipeline.errors`.
 """
 
-from align_pipeline.config.base import ConfigError, config_hash, from_dict, to_dict
-from align_pipeline.config.common import (
-    ExportConfig,
-    GenerationConfig,
-    KLConfig,
-    LaunchConfig,
-    LoRAConfig,
-    ModelConfig,
-    OffloadConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    RewardConfig,
-    RewardFunctionConfig,
-    RLLoopConfig,
-    RLPaths,
-    ScoringConfig,
-    SlurmConfig,
-    StageRunConfig,
-    TrainingConfig,
-    TrainPaths,
-)
-from align_pipeline.config.dpo import (
-    REFERENCE_FREE_LOSSES,
-    DPOConfig,
-    DPOJob,
-    DPOPaths,
-    PreferenceLossConfig,
-    ReferenceLogpsJob,
-)
-from align_pipeline.config.evaluation import EvaluationConfig, EvaluationJob, EvaluationPaths
-from align_pipeline.config.ppo import PPOConfig, PPOJob, PPOLossConfig, PPOPaths
-from align_pipeline.config.reinforce import ReinforceConfig, ReinforceJob, ReinforceLossConfig
-from align_pipeline.config.reward_model import RewardModelConfig, RewardModelJob
-from align_pipeline.config.rl import RLConfig
-from align_pipeline.config.sft import SFTConfig, SFTJob
+from align_pipeline import lazy_exports
 
-SECTIONS = {
-    "model": ModelConfig,
-    "parallel": ParallelConfig,
-    "launch": LaunchConfig,
-    "sft": SFTConfig,
-    "reward_model": RewardModelConfig,
-    "dpo": DPOConfig,
-    "ppo": PPOConfig,
-    "reinforce": ReinforceConfig,
-    "evaluation": EvaluationConfig,
-    "export": ExportConfig,
+_EXPORTS = {
+    "ConfigError": "base",
+    "DPOConfig": "dpo",
+    "DPOJob": "dpo",
+    "DPOPaths": "dpo",
+    "EvaluationConfig": "evaluation",
+    "EvaluationJob": "evaluation",
+    "EvaluationPaths": "evaluation",
+    "ExportConfig": "common",
+    "GenerationConfig": "common",
+    "KLConfig": "common",
+    "LaunchConfig": "common",
+    "LoRAConfig": "common",
+    "ModelConfig": "common",
+    "OffloadConfig": "common",
+    "OptimizerConfig": "common",
+    "PPOConfig": "ppo",
+    "PPOJob": "ppo",
+    "PPOLossConfig": "ppo",
+    "PPOPaths": "ppo",
+    "ParallelConfig": "common",
+    "PreferenceLossConfig": "dpo",
+    "REFERENCE_FREE_LOSSES": "dpo",
+    "RLConfig": "rl",
+    "RLLoopConfig": "common",
+    "RLPaths": "common",
+    "ReferenceLogpsJob": "dpo",
+    "ReinforceConfig": "reinforce",
+    "ReinforceJob": "reinforce",
+    "ReinforceLossConfig": "reinforce",
+    "RewardConfig": "common",
+    "RewardFunctionConfig": "common",
+    "RewardModelConfig": "reward_model",
+    "RewardModelJob": "reward_model",
+    "SFTConfig": "sft",
+    "SECTIONS": "sections",
+    "SFTJob": "sft",
+    "ScoringConfig": "common",
+    "SlurmConfig": "common",
+    "StageRunConfig": "common",
+    "TrainPaths": "common",
+    "TrainingConfig": "common",
+    "config_hash": "base",
+    "from_dict": "base",
+    "to_dict": "base",
 }
-"""``params:<section>`` -> its dataclass (``data_prep``'s is :class:`align_pipeline.data.tokenize.DataPrepConfig`)."""
+"""Re-exported name -> the submodule that defines it (imported when the name is first read; sorted)."""
 
-__all__ = [
-    "REFERENCE_FREE_LOSSES",
-    "SECTIONS",
-    "ConfigError",
-    "DPOConfig",
-    "DPOJob",
-    "DPOPaths",
-    "EvaluationConfig",
-    "EvaluationJob",
-    "EvaluationPaths",
-    "ExportConfig",
-    "GenerationConfig",
-    "KLConfig",
-    "LaunchConfig",
-    "LoRAConfig",
-    "ModelConfig",
-    "OffloadConfig",
-    "OptimizerConfig",
-    "PPOConfig",
-    "PPOJob",
-    "PPOLossConfig",
-    "PPOPaths",
-    "ParallelConfig",
-    "PreferenceLossConfig",
-    "RLConfig",
-    "RLLoopConfig",
-    "RLPaths",
-    "ReferenceLogpsJob",
-    "ReinforceConfig",
-    "ReinforceJob",
-    "ReinforceLossConfig",
-    "RewardConfig",
-    "RewardFunctionConfig",
-    "RewardModelConfig",
-    "RewardModelJob",
-    "SFTConfig",
-    "SFTJob",
-    "ScoringConfig",
-    "SlurmConfig",
-    "StageRunConfig",
-    "TrainPaths",
-    "TrainingConfig",
-    "config_hash",
-    "from_dict",
-    "to_dict",
-]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = list(_EXPORTS)

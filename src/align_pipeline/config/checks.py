@@ -4,7 +4,7 @@ Range rules of one section are that dataclass's ``validate()`` (run by :func:`~a
 the rules here need several sections and the world size. Each raises :class:`ConfigError` naming the keys, and
 :func:`check_job_layout` applies every rule of a stage. Two callers, one source per rule:
 
-* :class:`align_pipeline.validation.ParamsValidationHook`, for every stage node of the pipeline being run, before any
+* :class:`align_pipeline.kedro.params_hook.ParamsValidationHook`, for every stage node of the pipeline being run, before any
   node runs (no torchrun job, no MLflow run), with the parameters' keys (``params:parallel.tensor_model_parallel_size``)
   and the world size of ``params:launch``;
 * each entry point at its start (it runs without Kedro too), with the job's keys and the real world size.
@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from align_pipeline.config.base import ConfigError, from_dict
-from align_pipeline.config.common import LaunchConfig, ModelConfig, ParallelConfig, ScoringConfig
+from align_pipeline.config.common import ModelConfig, ParallelConfig, ScoringConfig
 
 GENERATING_STAGES: dict[str, str] = {
     "ppo": "it generates rollouts",
@@ -197,27 +197,6 @@ def check_vocab(tokens: int, tokenizer: str, arch: Arch) -> None:
 def path_arch(path: str | Path, base: ModelConfig, label: str | None = None) -> Arch | None:
     """A starting model given by path: a checkpoint of ours (meta.json) or an HF directory; None if neither."""
     return checkpoint_arch(path, label) or hf_arch(path, base, label)
-
-
-def launch_world(
-    launch: LaunchConfig, gpus: Callable[[], int] | None = None, key: str = "params:launch"
-) -> tuple[int, str]:
-    """(world size, how it is made) of ``launch``: ``nproc_per_node`` x ``nnodes``; ``"gpus"`` is resolved with
-    ``gpus()`` (default: :func:`align_pipeline.launch.torchrun.visible_gpus`), and no visible GPU is an error."""
-    nproc = launch.nproc_per_node
-    if nproc == "gpus":
-        if gpus is None:
-            from align_pipeline.launch.torchrun import visible_gpus
-
-            gpus = visible_gpus
-        nproc = gpus()
-        if nproc < 1:
-            raise ConfigError(f"{key}.nproc_per_node=gpus but no GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
-        per_node = f"{key}.nproc_per_node=gpus ({nproc} visible)"
-    else:
-        per_node = f"{key}.nproc_per_node={nproc}"
-    world = nproc * launch.nnodes
-    return world, f"{per_node} x {key}.nnodes={launch.nnodes} (world size {world})"
 
 
 def check_world(parallel: ParallelConfig, world: int, names: Names = Names()) -> int:

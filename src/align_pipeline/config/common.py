@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from align_pipeline.config.base import ConfigError, require_at_least, require_one_line, require_range
+from align_pipeline.config.reward_spec import load_reward_function
 
 
 @dataclass
@@ -265,9 +266,6 @@ class LaunchConfig:
         if self.nnodes > 1 and self.master_port == 0 and self.backend == "local":
             raise ConfigError(f"{where}.master_port=0 (pick a free one) works on one node only; "
                               f"{where}.nnodes={self.nnodes} needs an explicit port")
-        if self.backend == "slurm" and self.nproc_per_node == "gpus" and self.slurm.gpus_per_node is None:
-            raise ConfigError(f"{where}.nproc_per_node=gpus with backend slurm needs {where}.slurm.gpus_per_node "
-                              "(the job's nodes are not this machine)")
 
 
 @dataclass
@@ -384,8 +382,6 @@ class RewardFunctionConfig:
     reported (e.g. as the accuracy function), not optimised."""
 
     def validate(self, where: str = "reward_function") -> None:
-        from align_pipeline.rewards.base import load_reward_function  # lazy: the rewards package imports config
-
         load_reward_function(self.name, f"{where}.name")
 
 

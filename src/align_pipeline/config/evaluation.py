@@ -12,7 +12,7 @@ from align_pipeline.config.common import GenerationConfig, ParallelConfig, Scori
 
 @dataclass
 class PromotionGateConfig:
-    """``evaluation.gate``: what a policy must reach to be promoted (:mod:`align_pipeline.gates`); the best policy
+    """``evaluation.gate``: what a policy must reach to be promoted (:mod:`align_pipeline.evaluation.gates`); the best policy
     passing every gate is the ``promoted_policy`` catalog entry. None = that gate is off."""
 
     min_gain_over_sft: float | None = None

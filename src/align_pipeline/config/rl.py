@@ -22,7 +22,7 @@ from align_pipeline.config.common import (
 @dataclass
 class RLGateConfig:
     """``<stage>.gate``: what the stage's inputs must reach before it starts (a miss stops the node and its
-    dependants with one message; :mod:`align_pipeline.gates`)."""
+    dependants with one message; :mod:`align_pipeline.evaluation.gates`)."""
 
     min_reward_model_accuracy: float | None = None
     """The reward model's held-out pair accuracy (its training's final ``val_accuracy``, read from its checkpoint)

@@ -30,6 +30,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from .errors import DataValidationError, display_path
+
 FORMAT_VERSION = 1
 FINGERPRINT_CHARS = 16
 SIDECAR_SUFFIX = ".meta.json"
@@ -247,7 +249,6 @@ def check_checkpoint_tokenizers(tokenizer: Artifact, **checkpoints: str | None) 
     path; None and HF directories are skipped) was trained with ``tokenizer``, the one this run's data was tokenized
     with: a model trained on other token ids would read this data as noise (or index past its embeddings). One
     message names both fingerprints and what fixes it."""
-    from .schemas import DataValidationError, display_path  # schemas imports this module
 
     bad = []
     for name, path in checkpoints.items():
@@ -297,7 +298,6 @@ def check_tokenized_with(tokenizer: Artifact, **data: Artifact) -> None:
 
         check_tokenized_with(tokenizer, sft_train=sft_train, sft_val=sft_val)
     """
-    from .schemas import DataValidationError, display_path  # schemas imports this module
 
     bad = {name: art for name, art in data.items() if art.meta.get("tokenizer_fingerprint") != tokenizer.fingerprint}
     if not bad:

@@ -32,16 +32,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from align_pipeline.errors import UserError
-
+from .errors import DataValidationError, display_path, make_error
 from .formats import bytes_sha256
 
 Kind = Literal["sft", "preference", "prompts"]
 KINDS: tuple[str, ...] = ("sft", "preference", "prompts", "regression")
-
-
-class DataValidationError(UserError, ValueError):
-    """A raw data file does not match its schema; the message names the file, line and field."""
 
 
 @dataclass
@@ -67,19 +62,6 @@ class RawData:
     def error(self, index: int, fieldname: str | None, problem: str) -> DataValidationError:
         """A :class:`DataValidationError` for record ``index`` (position in :attr:`records`)."""
         return make_error(self.source, self.lines[index], fieldname, problem)
-
-
-def display_path(path: str | os.PathLike) -> str:
-    """``path`` relative to the working directory when it lies inside it (as a user typed it), else absolute."""
-    path = os.path.abspath(path)
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
-
-
-def make_error(source: str, line: int | None, fieldname: str | None, problem: str) -> DataValidationError:
-    where = source if line is None else f"{source} line {line}"
-    what = f'field "{fieldname}": ' if fieldname else ""
-    return DataValidationError(f"{where}: {what}{problem}")
 
 
 class _FieldError(Exception):

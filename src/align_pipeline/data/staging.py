@@ -23,7 +23,7 @@ Rename order: artifacts in the order they were staged, each data file before its
 :func:`align_pipeline.data.formats.check_tokenized_with`.
 
 Kedro side: datasets with a ``commit_group`` stage into the set :func:`open_group` registered for that group; the
-hook :class:`align_pipeline.data_prep_hook.StagedOutputsHook` opens it when the node producing them returns and
+hook :class:`align_pipeline.kedro.staged_outputs.StagedOutputsHook` opens it when the node producing them returns and
 commits it once Kedro has saved the last of them::
 
     staging = StagedWrites("data_prep outputs")

@@ -13,7 +13,7 @@ fingerprint, metadata) – never arrays: training nodes pass paths to their torc
   ``load()`` -> that Artifact, so ``kedro run --nodes train_dpo`` / ``--from-nodes train_dpo`` find it on disk.
 
 ``commit_group: <name>`` (the three writable datasets) makes the outputs of one node land together or not at all:
-while :class:`align_pipeline.data_prep_hook.StagedOutputsHook` has the group's set open (from the node's return
+while :class:`align_pipeline.kedro.staged_outputs.StagedOutputsHook` has the group's set open (from the node's return
 until Kedro has saved its last output of the group), ``save`` only stages the write next to the final path, and the
 hook renames the whole set into place at the end (:mod:`align_pipeline.data.staging`). Without an open set (the hook
 not registered, or a direct ``catalog.save``) ``save`` writes at once, one artifact at a time, and logs a warning.
@@ -69,7 +69,7 @@ class _GroupWrite:
             if self.commit_group and self.commit_group not in _warned_groups:
                 _warned_groups.add(self.commit_group)
                 logger.warning(
-                    "commit_group %r has no open set (is align_pipeline.data_prep_hook.StagedOutputsHook in "
+                    "commit_group %r has no open set (is align_pipeline.kedro.staged_outputs.StagedOutputsHook in "
                     "settings.HOOKS?): its outputs are written one by one, not all-or-nothing",
                     self.commit_group,
                 )

@@ -1,25 +1,18 @@
 """Launching training entry points: torchrun jobs with per-rank logs, live progress and failure reports."""
 
-from align_pipeline.launch.torchrun import (
-    LaunchError,
-    LaunchInterrupted,
-    RunDirBusy,
-    build_command,
-    build_env,
-    free_port,
-    resolve_backend,
-    run_torchrun,
-    terminate_tree,
-)
+from align_pipeline import lazy_exports
 
-__all__ = [
-    "LaunchError",
-    "LaunchInterrupted",
-    "RunDirBusy",
-    "build_command",
-    "build_env",
-    "free_port",
-    "resolve_backend",
-    "run_torchrun",
-    "terminate_tree",
-]
+_EXPORTS = {
+    "LaunchError": "torchrun",
+    "LaunchInterrupted": "torchrun",
+    "RunDirBusy": "torchrun",
+    "build_command": "torchrun",
+    "build_env": "torchrun",
+    "free_port": "torchrun",
+    "run_torchrun": "torchrun",
+    "terminate_tree": "torchrun",
+}
+"""Re-exported name -> the submodule that defines it (imported when the name is first read; sorted)."""
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = list(_EXPORTS)

@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from align_pipeline.config import ConfigError, LaunchConfig
-from align_pipeline.config.base import control_character
+from align_pipeline.config.base import ConfigError, control_character
+from align_pipeline.config.common import LaunchConfig
 
 logger = logging.getLogger("align_pipeline.launch")
 

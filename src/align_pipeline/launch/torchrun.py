@@ -49,10 +49,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from align_pipeline.config import LaunchConfig, from_dict
-from align_pipeline.console import job_warning_filters
+from align_pipeline.config.base import from_dict
+from align_pipeline.config.common import LaunchConfig
 from align_pipeline.errors import UserError
-from align_pipeline.launch import multinode, slurm
+from align_pipeline.launch import multinode, slurm, world
+from align_pipeline.launch.env import job_warning_filters
 from align_pipeline.tracking.mlflow_logger import child_run_env
 from align_pipeline.tracking.runs import log_artifacts_to_active_run
 
@@ -198,20 +199,6 @@ def _process_running(pid: int) -> bool:
         return _pid_alive(pid) if not os.path.isdir("/proc") else False
 
 
-def resolve_backend(backend: str) -> str:
-    """``auto`` → ``nccl`` when CUDA is available, else ``gloo``; ``nccl``/``gloo`` unchanged."""
-    if backend in ("nccl", "gloo"):
-        return backend
-    if backend != "auto":
-        raise ValueError(f"backend must be auto, nccl or gloo, got {backend!r}")
-    try:
-        import torch
-
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    except ImportError:
-        return "gloo"
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -226,30 +213,10 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def visible_gpus() -> int:
-    """GPUs this process may use, without importing torch: ``CUDA_VISIBLE_DEVICES`` if set, else ``nvidia-smi -L``."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    try:
-        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
-
-
 def _as_launch_config(launch: LaunchConfig | Mapping[str, Any]) -> LaunchConfig:
     launch = launch if isinstance(launch, LaunchConfig) else from_dict(LaunchConfig, dict(launch))
     on_slurm = launch.backend == "slurm"
-    if launch.nproc_per_node == "gpus" and on_slurm:  # the job's nodes, not this (login) machine
-        if not launch.slurm.gpus_per_node:
-            raise ValueError("launch.nproc_per_node=gpus with backend slurm needs launch.slurm.gpus_per_node")
-        launch = dataclasses.replace(launch, nproc_per_node=launch.slurm.gpus_per_node)
-    if launch.nproc_per_node == "gpus":
-        gpus = visible_gpus()
-        if gpus == 0:
-            raise ValueError("launch.nproc_per_node=gpus but no GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
-        launch = dataclasses.replace(launch, nproc_per_node=gpus)
+    launch = world.resolved(launch)
     if launch.nproc_per_node < 1 or launch.nnodes < 1:
         raise ValueError(f"nproc_per_node and nnodes must be >= 1, got {launch.nproc_per_node}, {launch.nnodes}")
     if not 0 <= launch.node_rank < launch.nnodes:
@@ -282,15 +249,19 @@ def build_command(module: str, config_path: str | Path, launch: LaunchConfig, lo
     ]  # fmt: skip
 
 
-def build_env(launch: LaunchConfig, backend: str, env: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """os.environ + job settings + the active MLflow run (:func:`child_run_env`), then ``env`` overrides."""
+def build_env(launch: LaunchConfig, backend: str | None, env: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """os.environ + job settings + the active MLflow run (:func:`child_run_env`), then ``env`` overrides.
+    ``backend`` None (``dist_backend: auto``): no ``ALIGN_BACKEND``, each rank picks nccl with CUDA, else gloo."""
     out = dict(os.environ)
     out["PYTHONUNBUFFERED"] = "1"
     out.setdefault("KEDRO_DISABLE_TELEMETRY", "true")
     out.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off: shared-GPU safety rule
     threads = launch.threads_per_process or max(1, _cpu_count() // launch.nproc_per_node)
     out["OMP_NUM_THREADS"] = str(threads)
-    out["ALIGN_BACKEND"] = backend
+    if backend is None:
+        out.pop("ALIGN_BACKEND", None)
+    else:
+        out["ALIGN_BACKEND"] = backend
     out["PYTHONWARNINGS"] = job_warning_filters(os.environ.get("PYTHONWARNINGS"))  # known third-party noise off
     out.update(child_run_env())
     out.update({k: str(v) for k, v in (env or {}).items()})
@@ -610,22 +581,19 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
     config_path.write_text(json.dumps(config, indent=2, default=str))
 
     on_slurm = launch.backend == "slurm"
-    # auto under Slurm: each rank decides on its node (nccl where it sees CUDA; train/core/distributed.py)
-    backend = "auto" if on_slurm and launch.dist_backend == "auto" else resolve_backend(launch.dist_backend)
+    backend = world.job_backend(launch.dist_backend)  # None (auto): each rank decides on its node
     job_env = build_env(launch, backend, env)
-    if backend == "auto":
-        job_env.pop("ALIGN_BACKEND", None)
     job_env["ALIGN_RUN_LOCK"] = str(run_dir / LOCK_NAME)
     if on_slurm:
         (log_dir / "torchrun.log").unlink(missing_ok=True)  # Slurm appends every node's agent output to it
         script = run_dir / "slurm_job.sh"
         script.write_text(slurm.job_script(module, config_path, launch, log_dir, label, WORKER_MODULE))
         cmd = ["bash", str(script)]
-        logger.info("%s: %s, backend %s, logs %s", label, slurm.describe(launch, job_env), backend, log_dir)
+        logger.info("%s: %s, backend %s, logs %s", label, slurm.describe(launch, job_env), backend or "auto", log_dir)
     else:
         cmd = build_command(module, config_path, launch, log_dir)
         logger.info("%s: torchrun %d node(s) x %d proc(s), backend %s, logs %s", label, launch.nnodes,
-                    launch.nproc_per_node, backend, log_dir)
+                    launch.nproc_per_node, backend or "auto (nccl with CUDA, else gloo)", log_dir)
     multi = not on_slurm and launch.nnodes > 1
     job_number = multinode.post(launch, module, config_path, env) if multi else None
     stream_rank = 0
@@ -732,7 +700,6 @@ __all__ = [
     "build_command",
     "build_env",
     "free_port",
-    "resolve_backend",
     "run_torchrun",
     "terminate_tree",
 ]

@@ -1,48 +1,30 @@
 """Pure loss functions: ``(loss_sum, count, metric sums)``, see :mod:`align_pipeline.losses.base`."""
 
-from align_pipeline.losses.base import LossOutput
-from align_pipeline.losses.ppo import (
-    entropy_bonus,
-    entropy_from_logits,
-    ppo_policy_loss,
-    ppo_value_loss,
-)
-from align_pipeline.losses.preference import (
-    PREFERENCE_LOSSES,
-    REFERENCE_FREE_LOSSES,
-    PreferenceLogps,
-    PreferenceLoss,
-    combine,
-    dpo_loss,
-    get_preference_loss,
-    hinge_loss,
-    ipo_loss,
-    rpo_loss,
-    simpo_loss,
-)
-from align_pipeline.losses.reinforce import reinforce_loss
-from align_pipeline.losses.reward import bradley_terry_loss, regression_reward_loss
-from align_pipeline.losses.sft import masked_token_loss
+from align_pipeline import lazy_exports
 
-__all__ = [
-    "PREFERENCE_LOSSES",
-    "REFERENCE_FREE_LOSSES",
-    "LossOutput",
-    "PreferenceLogps",
-    "PreferenceLoss",
-    "bradley_terry_loss",
-    "combine",
-    "dpo_loss",
-    "entropy_bonus",
-    "entropy_from_logits",
-    "get_preference_loss",
-    "hinge_loss",
-    "ipo_loss",
-    "masked_token_loss",
-    "ppo_policy_loss",
-    "ppo_value_loss",
-    "regression_reward_loss",
-    "reinforce_loss",
-    "rpo_loss",
-    "simpo_loss",
-]
+_EXPORTS = {
+    "LossOutput": "base",
+    "PREFERENCE_LOSSES": "preference",
+    "PreferenceLogps": "preference",
+    "PreferenceLoss": "preference",
+    "REFERENCE_FREE_LOSSES": "preference",
+    "bradley_terry_loss": "reward",
+    "combine": "preference",
+    "dpo_loss": "preference",
+    "entropy_bonus": "ppo",
+    "entropy_from_logits": "ppo",
+    "get_preference_loss": "preference",
+    "hinge_loss": "preference",
+    "ipo_loss": "preference",
+    "masked_token_loss": "sft",
+    "ppo_policy_loss": "ppo",
+    "ppo_value_loss": "ppo",
+    "regression_reward_loss": "reward",
+    "reinforce_loss": "reinforce",
+    "rpo_loss": "preference",
+    "simpo_loss": "preference",
+}
+"""Re-exported name -> the submodule that defines it (imported when the name is first read; sorted)."""
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = list(_EXPORTS)

@@ -32,8 +32,8 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from align_pipeline.checks import check_nonnegative, check_positive
 from align_pipeline.config.dpo import REFERENCE_FREE_LOSSES  # noqa: F401  (re-exported: losses that never read ref_*)
+from align_pipeline.config.guards import check_nonnegative, check_positive
 from align_pipeline.losses.base import LossOutput
 
 

@@ -20,7 +20,8 @@ export and returns one :class:`Check` per line it prints:
     greedy         ``transformers``' ``model.generate`` (greedy) from that prompt equals our Megatron generation token
                    for token (policies; a bfloat16/float16 export may part on a near-tie within the tolerance)
 
-Ours is one one-rank torchrun job of :mod:`align_pipeline.model.logits_job` (logits + greedy generation). The
+Ours (logits + greedy generation) is what :mod:`align_pipeline.train.jobs.logits` computes: in the export job's own
+process, or in a one-rank job the ``export --check`` command launches. The
 result is written into the export as ``align_export_check.json`` (``status``: passed / failed / skipped); MLflow's
 model registry takes an export only when it says passed (or skipped: the user opted out, tagged so).
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -176,38 +178,39 @@ def _messages(template) -> list[dict[str, str]]:
         return CONVERSATION[1:]
 
 
-def _our_side(checkpoint: Path, meta: dict[str, Any], prompt: list[int] | None, tok, work_dir: Path,
-              max_new_tokens: int, seed: int) -> dict[str, Any]:
-    """Our logits on fixed random ids and our greedy continuation of ``prompt``: one one-rank torchrun job."""
+def _our_side(checkpoint: Path, meta: dict[str, Any], prompt: list[int] | None, tok, max_new_tokens: int, seed: int,
+              our_side: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+    """Our logits on fixed random ids and our greedy continuation of ``prompt``, from ``our_side`` (a request of
+    :mod:`align_pipeline.train.jobs.logits`)."""
     import numpy as np
 
-    from align_pipeline.config import LaunchConfig, ModelConfig, from_dict
-    from align_pipeline.launch import run_torchrun
+    from align_pipeline.config.base import from_dict
+    from align_pipeline.config.common import ModelConfig
 
     model_cfg = from_dict(ModelConfig, meta["model"], "meta.json model")
     length = min(16, model_cfg.seq_length)
     tokens = np.random.default_rng(seed).integers(0, int(meta["vocab_size"]), size=(2, length)).tolist()
-    config: dict[str, Any] = {"checkpoint": str(checkpoint), "tokens": tokens}
+    request: dict[str, Any] = {"checkpoint": str(checkpoint), "tokens": tokens}
     if prompt is not None:
-        config["generate"] = {"prompt": prompt, "max_new_tokens": max_new_tokens, "eos_id": list(tok.stop_ids),
-                              "pad_id": tok.pad_id}
-    work_dir.mkdir(parents=True, exist_ok=True)
-    result = run_torchrun("align_pipeline.model.logits_job", config, LaunchConfig(nproc_per_node=1), work_dir,
-                          name="--check")
-    return {"tokens": tokens, **result}
+        request["generate"] = {"prompt": prompt, "max_new_tokens": max_new_tokens, "eos_id": list(tok.stop_ids),
+                               "pad_id": tok.pad_id}
+    return {"tokens": tokens, **our_side(request)}
 
 
-def check_export(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, work_dir: str | os.PathLike,
-                 tolerance: float, max_new_tokens: int = 12, seed: int = 0) -> list[Check]:
-    """Every check of the export ``hf_dir`` of ``checkpoint`` (see the module docstring); the torchrun job runs in
-    ``work_dir``. Raises :class:`~align_pipeline.launch.LaunchError` when our side fails to run."""
+def check_export(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, tolerance: float,
+                 our_side: Callable[[dict[str, Any]], dict[str, Any]], max_new_tokens: int = 12,
+                 seed: int = 0) -> list[Check]:
+    """Every check of the export ``hf_dir`` of ``checkpoint`` (see the module docstring). ``our_side(request)``:
+    our outputs for a request of :mod:`align_pipeline.train.jobs.logits` (``{"checkpoint", "tokens", "generate"?}``
+    -> ``{"logits", "generated"?}``): the export job computes them in its own process, the command in a one-rank
+    job (:func:`align_pipeline.launch.model_jobs.checkpoint_outputs`), whose failure it raises."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
     from align_pipeline.data.formats import checkpoint_meta
     from align_pipeline.data.tokenize import renderer_for
 
-    checkpoint, hf_dir, work_dir = Path(checkpoint), Path(hf_dir), Path(work_dir)
+    checkpoint, hf_dir = Path(checkpoint), Path(hf_dir)
     meta = checkpoint_meta(checkpoint)
     head = meta.get("head", "lm")
     checks: list[Check] = []
@@ -304,11 +307,11 @@ def check_export(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, work_
             prompt = None
 
     # ours (Megatron) vs theirs (transformers): logits on random ids, then greedy generation
-    result = _our_side(checkpoint, meta, prompt, ours, work_dir, max_new_tokens, seed)
+    result = _our_side(checkpoint, meta, prompt, ours, max_new_tokens, seed, our_side)
     ids = torch.tensor(result["tokens"])
     model, theirs = None, None
     try:
-        from align_pipeline.model.hf_export import hf_outputs, load_hf  # hf_export imports this module
+        from align_pipeline.model.hf import hf_outputs, load_hf
 
         with torch.no_grad():
             model = load_hf(hf_dir, head)

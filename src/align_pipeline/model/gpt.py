@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from align_pipeline.config import LoRAConfig, ModelConfig, ParallelConfig
+from align_pipeline.config.common import LoRAConfig, ModelConfig, ParallelConfig
 from align_pipeline.model import kernels, rope
 from align_pipeline.model.attention import SDPAttention
 from align_pipeline.model.norm import FusedTorchNorm, TorchNorm

@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from align_pipeline.config import ModelConfig
 from align_pipeline.config.checks import HF_MODEL_TYPES
+from align_pipeline.config.common import ModelConfig
 
 SUPPORTED_MODEL_TYPES = HF_MODEL_TYPES  # one list, also read before any node runs (config.checks.start_arch)
 
@@ -449,3 +449,24 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
     ):
         raise HFConversionError(f"{path}: tie_word_embeddings=true but lm_head.weight differs from embed_tokens")
     return {"loaded": len(plan), "hf_tensors_read": len(read)}
+
+
+def load_hf(hf_dir: str | Path, head: str):
+    """The export loaded by ``transformers`` in fp32 (``head="value"``: as ``*ForSequenceClassification``)."""
+    if head == "value":
+        from transformers import AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+
+
+def hf_outputs(model, head: str, ids: torch.Tensor) -> torch.Tensor:
+    """A loaded export's outputs on ``ids``: a policy's logits, or a value model's per-token values (its score layer
+    on every position, plus the ``score_bias`` the export's note keeps). Call under ``torch.no_grad()``."""
+    if head == "value":
+        hidden = getattr(model, model.base_model_prefix)(ids).last_hidden_state
+        return model.score(hidden) + torch.tensor(
+            (getattr(model.config, "align_pipeline", None) or {}).get("score_bias") or 0.0)
+    return model(ids).logits

@@ -19,9 +19,9 @@ the sliding window and the source's context length are written back. The vocabul
 (``meta.json`` ``vocab_size``): Megatron's padding rows are dropped, so the HF logits equal the Megatron logits over
 the real tokens. Value heads (reward models, critics) become ``score.weight`` of ``*ForSequenceClassification``.
 
-:func:`check_parity` runs the checkpoint in Megatron (a one-rank torchrun job of :mod:`align_pipeline.model.logits_job`)
-and an HF directory in ``transformers`` on the same fixed tokens and returns ``max |Δlogit|`` (both directions use it).
-:func:`import_hf` is the other direction's launcher: a TP x PP job of :mod:`align_pipeline.model.import_job`.
+:func:`parity` compares our outputs on fixed tokens (computed by :mod:`align_pipeline.train.jobs.logits`) with an HF
+directory's in ``transformers``: ``max |Δlogit|`` (both directions use it). Nothing here launches a job: the
+launchers of the model jobs (import, export, merge, outputs) are in :mod:`align_pipeline.launch.model_jobs`.
 """
 
 from __future__ import annotations
@@ -37,11 +37,13 @@ from typing import Any
 
 import torch
 
-from align_pipeline.config import ModelConfig, from_dict
+from align_pipeline.config.base import from_dict
+from align_pipeline.config.common import ModelConfig
 from align_pipeline.data.formats import checkpoint_meta, lora_adapters_only
 from align_pipeline.errors import UserError
 from align_pipeline.model import rope, safe_pickle
 from align_pipeline.model.export_check import export_tokenizer
+from align_pipeline.model.hf import hf_outputs, load_hf
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -468,22 +470,10 @@ def _add_legacy_keys(config_json: Path, model: ModelConfig, dtype: str) -> None:
     config_json.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def materialize(checkpoint: str | os.PathLike, out: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
-    """A LoRA artifact of adapters alone as a plain model checkpoint ``out`` (its base with the adapters merged), in
-    a one-process job (:mod:`align_pipeline.model.merge_job`)."""
-    from align_pipeline.config import LaunchConfig
-    from align_pipeline.launch import run_torchrun
-
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    result = run_torchrun("align_pipeline.model.merge_job", {"checkpoint": str(Path(checkpoint).resolve()),
-                                                            "out": str(Path(out).resolve())},
-                          LaunchConfig(nproc_per_node=1), run_dir, name=f"merge {Path(checkpoint).name}")
-    return Path(result["out"])
-
-
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
               dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+              progress: Callable[[int, int], None] | None = None,
+              merge: Callable[[Path, Path], Path] | None = None) -> dict[str, Any]:
     """Write the model checkpoint at ``checkpoint`` as an HF model directory ``out_dir`` (created; must not exist).
 
     Policies (LM head) become ``*ForCausalLM``. Reward models and critics (value head) become
@@ -495,7 +485,10 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     ``tokenizer``: the tokenizer directory to include (default: the checkpoint's own, see
     :func:`~align_pipeline.model.export_check.export_tokenizer`: a tokenizer whose fingerprint differs from the one
     meta.json records is refused before anything is written; none recorded = no tokenizer files). ``dtype``: the weights' dtype in the files ("float32", "bfloat16",
-    "float16"). ``progress(done, total)`` is called after each tensor written. Returns a summary: family,
+    "float16"). ``progress(done, total)`` is called after each tensor written. ``merge(artifact, out) -> out``: how
+    an adapters-only LoRA artifact whose base is an HF directory becomes a plain checkpoint first (it needs a model
+    built: the export job merges in its own process, the command launches :mod:`align_pipeline.train.jobs.merge`);
+    without it such an artifact is refused. Returns a summary: family,
     architecture, files, parameters, bytes, and the output directory.
     """
     checkpoint, out = Path(checkpoint), Path(out_dir)
@@ -505,16 +498,27 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
                             "stage's artifact, or <run_dir>/<model>/model)")
     tok = export_tokenizer(checkpoint, meta, tokenizer)  # refused before anything is written: not the trained one
     ckpt = open_tensors(checkpoint)  # adapters alone on a checkpoint base: merged layer by layer while writing
-    if ckpt is None:  # adapters on an HF directory: merged into it by a job first
+    if ckpt is None:  # adapters on an HF directory: merged into it first (a model must be built)
+        if merge is None:
+            raise HFExportError(f"{checkpoint} holds LoRA adapters on an HF base; merge them first "
+                                "(`align-pipeline export` does)")
         if out.exists():
             raise HFExportError(f"{out} exists; export into a new directory")
         out.parent.mkdir(parents=True, exist_ok=True)
-        with _job_work_dir(f".merge-{out.name}-", out.parent) as work:
-            merged = materialize(checkpoint, work / "merged", work / "job")
+        work = Path(tempfile.mkdtemp(prefix=f".merge-{out.name}-", dir=out.parent))
+        try:
+            merged = merge(checkpoint, work / "merged")
             if tok is not None:  # the one resolved (and verified) against the LoRA artifact's own meta.json
                 tok.save(work / "tokenizer")
-            return export_hf(merged, out, work / "tokenizer" if tok is not None else None, dtype, max_shard_bytes,
-                             progress)
+            summary = export_hf(merged, out, work / "tokenizer" if tok is not None else None, dtype,
+                                max_shard_bytes, progress)
+        except BaseException:  # a merge job's run directory (<work>/job: its error names the logs) is kept
+            for child in work.iterdir():
+                if child.name != "job":
+                    shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+            raise
+        shutil.rmtree(work, ignore_errors=True)
+        return summary
     head = meta.get("head", "lm")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
@@ -607,99 +611,16 @@ def export_peft(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             "params": sum(t.numel() for t in tensors.values()), "base_model": config["base_model_name_or_path"]}
 
 
-def load_hf(hf_dir: str | os.PathLike, head: str):
-    """The export loaded by ``transformers`` in fp32 (``head="value"``: as ``*ForSequenceClassification``)."""
-    if head == "value":
-        from transformers import AutoModelForSequenceClassification
-
-        return AutoModelForSequenceClassification.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-
-
-def hf_outputs(model, head: str, ids: torch.Tensor) -> torch.Tensor:
-    """A loaded export's outputs on ``ids``: a policy's logits, or a value model's per-token values (its score layer
-    on every position, plus the ``score_bias`` the export's note keeps). Call under ``torch.no_grad()``."""
-    if head == "value":
-        hidden = getattr(model, model.base_model_prefix)(ids).last_hidden_state
-        return model.score(hidden) + torch.tensor(
-            (getattr(model.config, "align_pipeline", None) or {}).get("score_bias") or 0.0)
-    return model(ids).logits
-
-
-def check_parity(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, work_dir: str | os.PathLike,
-                 batch: int = 2, length: int = 16, seed: int = 0) -> float:
-    """``max |Δ|`` between our checkpoint (Megatron, fp32, one rank) and an HF directory (``transformers``, fp32) on
-    ``batch`` x ``length`` random token ids of the real vocabulary: logits of a policy, or per-token values of a
-    value model (HF: ``score`` over every position, plus the exported ``score_bias``)."""
-    import numpy as np
-
-    from align_pipeline.config import LaunchConfig
-    from align_pipeline.launch import run_torchrun
-
-    meta = checkpoint_meta(checkpoint)
-    model_cfg = from_dict(ModelConfig, meta["model"], "meta.json model")
-    length = min(length, model_cfg.seq_length)
-    tokens = np.random.default_rng(seed).integers(0, int(meta["vocab_size"]), size=(batch, length)).tolist()
-    work_dir = Path(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    ours = run_torchrun("align_pipeline.model.logits_job", {"checkpoint": str(checkpoint), "tokens": tokens},
-                        LaunchConfig(nproc_per_node=1), work_dir, name="--check")["logits"]
+def parity(ours: list, tokens: list[list[int]], hf_dir: str | os.PathLike, head: str) -> float:
+    """``max |Δ|`` between our outputs ``ours`` on ``tokens`` (logits of a policy, per-token values of a value model:
+    :mod:`align_pipeline.train.jobs.logits`) and the HF directory's (``transformers``, fp32; a value model's
+    ``score`` over every position, plus the exported ``score_bias``)."""
     with torch.no_grad():
-        head = meta.get("head", "lm")
         theirs = hf_outputs(load_hf(hf_dir, head), head, torch.tensor(tokens))
     ours_t = torch.tensor(ours, dtype=torch.float32)
     if tuple(theirs.shape) != tuple(ours_t.shape):
         raise HFExportError(f"output shapes differ: HF {tuple(theirs.shape)} vs ours {tuple(ours_t.shape)}")
     return float((theirs - ours_t).abs().max())
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Import: an HF directory -> a model checkpoint (a torchrun job of align_pipeline.model.import_job)
-
-
-def import_hf(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike, tp: int = 1, pp: int = 1,
-              seq_length: int | None = None, work_dir: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Convert the HF model in ``hf_dir`` into a model checkpoint at ``checkpoint`` (must not exist), written by a
-    TP x PP torchrun job (gloo on CPU, NCCL on GPUs). ``seq_length``: the training length recorded in the
-    checkpoint (default: the model's context, at most 4096). Returns the job's summary. The job runs in ``work_dir``
-    (default: a temporary directory, removed after a success and kept after a failure, whose error names its logs).
-    """
-    from align_pipeline.config import LaunchConfig
-    from align_pipeline.launch import run_torchrun
-    from align_pipeline.model.hf import model_config_from_hf, read_hf_config
-
-    hf_dir, checkpoint = Path(hf_dir).resolve(), Path(checkpoint).resolve()
-    if checkpoint.exists():
-        raise HFExportError(f"{checkpoint} exists; import into a new directory")
-    context = read_hf_config(hf_dir).get("max_position_embeddings") or 4096
-    seq_length = seq_length or min(int(context), 4096)
-    model_config_from_hf(hf_dir, ModelConfig(seq_length=seq_length))  # refuse unsupported models before launching
-    config = {"hf_dir": str(hf_dir), "out": str(checkpoint), "seq_length": seq_length,
-              "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}}
-    if work_dir:
-        return run_torchrun("align_pipeline.model.import_job", config, LaunchConfig(nproc_per_node=tp * pp),
-                            Path(work_dir), name="import")
-    with _job_work_dir("align-import-") as work:
-        return run_torchrun("align_pipeline.model.import_job", config, LaunchConfig(nproc_per_node=tp * pp),
-                            work / "job", name="import")
-
-
-@contextlib.contextmanager
-def _job_work_dir(prefix: str, parent: Path | None = None):
-    """A fresh temporary directory for a conversion job (its run directory: ``<work>/job``), removed when the block
-    succeeds. When it fails, the job's run directory (config, ``logs/``: the error names them) is kept and the rest
-    (a partial checkpoint) removed."""
-    work = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    try:
-        yield work
-    except BaseException:
-        for child in work.iterdir():
-            if child.name != "job":
-                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
-        raise
-    shutil.rmtree(work, ignore_errors=True)
 
 
 def progress_printer(label: str, stream=None) -> Callable[[int, int], None]:

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from align_pipeline.config import ModelConfig, from_dict
+from align_pipeline.config.base import from_dict
+from align_pipeline.config.common import ModelConfig
 from align_pipeline.data.formats import lora_adapters_only
 from align_pipeline.model import checkpoint
 

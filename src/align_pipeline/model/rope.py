@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from align_pipeline.config import ModelConfig
+from align_pipeline.config.common import ModelConfig
 
 
 def head_dim(model: ModelConfig) -> int:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from align_pipeline.config import (
+from align_pipeline.config.base import config_hash, from_dict, to_dict
+from align_pipeline.config.common import (
     ExportConfig,
     LaunchConfig,
     ModelConfig,
@@ -22,13 +22,12 @@ from align_pipeline.config import (
     RLPaths,
     StageRunConfig,
     TrainPaths,
-    config_hash,
-    from_dict,
-    to_dict,
 )
 from align_pipeline.data.formats import Artifact, check_checkpoint_tokenizers, check_tokenized_with
 from align_pipeline.datasets.stored import StoredVersions
-from align_pipeline.launch import run_torchrun
+from align_pipeline.kedro.run_dirs import RUN_DIR_CLEANUP
+from align_pipeline.launch import model_jobs
+from align_pipeline.launch.torchrun import run_torchrun
 from align_pipeline.pipelines.reuse import StageReuse, content_key
 
 logger = logging.getLogger(__name__)
@@ -92,64 +91,6 @@ def rl_paths(section: StageRunConfig, stage_name: str, *, tokenizer: Artifact, p
     return paths, lineage
 
 
-class RunDirCleanup:
-    """Run directories whose deletion waits until the node that trained in them has its outputs stored.
-
-    Inside a ``kedro run`` the hook (:class:`align_pipeline.hooks.MlflowHook`) opens a node's deferral before the
-    node runs (``begin``, per thread); :func:`launch_stage` then registers its run directory (``defer``) instead of
-    deleting it, and the hook deletes the node's directories (``release``) once the catalog has saved the node's last
-    output, or forgets them (``keep``) when the node or a save fails, so that a rerun resumes from the training
-    checkpoints in them. Outside a session (a node function called directly) no deferral is open and
-    :func:`launch_stage` deletes the directory itself, as soon as the models are moved out.
-    """
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._pending: dict[str, list[Path]] = {}  # node name -> run dirs to delete once its outputs are stored
-
-    def begin(self, node_name: str) -> None:
-        """The node ``node_name`` runs in this thread: run dirs it registers wait for its outputs."""
-        self._local.node = node_name
-
-    def end(self) -> None:
-        """The node function of this thread has returned (or raised)."""
-        self._local.node = None
-
-    def defer(self, run_dir: str | Path) -> bool:
-        """Register ``run_dir`` for deletion after the current node's outputs are stored; False outside a node run by
-        the hook (then the caller deletes it)."""
-        node = getattr(self._local, "node", None)
-        if node is None:
-            return False
-        with self._lock:
-            self._pending.setdefault(node, []).append(Path(run_dir))
-        return True
-
-    def release(self, node_name: str) -> list[Path]:
-        """The node's outputs are stored: delete its registered run dirs; returns them."""
-        with self._lock:
-            dirs = self._pending.pop(node_name, [])
-        for run_dir in dirs:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            logger.debug("%s: outputs stored, run directory %s deleted", node_name, run_dir)
-        return dirs
-
-    def keep(self, node_name: str | None = None) -> list[Path]:
-        """Forget the run dirs of ``node_name`` (every node when None) without deleting them; returns them."""
-        with self._lock:
-            if node_name is None:
-                dirs = [d for ds in self._pending.values() for d in ds]
-                self._pending.clear()
-            else:
-                dirs = self._pending.pop(node_name, [])
-        return dirs
-
-
-RUN_DIR_CLEANUP = RunDirCleanup()
-"""The process's registry of run directories waiting for their node's outputs to be stored."""
-
-
 def launch_stage(module: str, job: Any, launch: LaunchConfig, section: StageRunConfig, stage_name: str,
                  output_keys: tuple[str, ...]) -> tuple[list[str], dict[str, Any]]:
     """Launch the stage's torchrun job; return (the model dirs named by ``output_keys`` in result.json, result).
@@ -159,7 +100,7 @@ def launch_stage(module: str, job: Any, launch: LaunchConfig, section: StageRunC
     ``kedro run`` only after the catalog has stored every output of the node (:class:`RunDirCleanup`): if a save
     fails, the directory stays and a rerun resumes from its last training checkpoint. Called outside a Kedro session
     the directory is deleted here, before returning. With ``section.export_hf`` each model is also written as an HF
-    directory ``<model>/hf`` (see :func:`export_model`).
+    directory ``<model>/hf`` (see :func:`align_pipeline.launch.model_jobs.export`).
     """
     run_dir = Path(job.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -167,7 +108,7 @@ def launch_stage(module: str, job: Any, launch: LaunchConfig, section: StageRunC
     dirs = [Path(result[key]) for key in output_keys]
     if section.export_hf:
         for model_dir in dirs:
-            export_model(str(model_dir), str(model_dir / "hf"), ExportConfig(), run_dir / "export" / model_dir.name)
+            model_jobs.export(str(model_dir), str(model_dir / "hf"), ExportConfig(), run_dir / "export" / model_dir.name)
     if not section.keep_run_dir:
         kept = []
         for key, model_dir in zip(output_keys, dirs):
@@ -180,15 +121,6 @@ def launch_stage(module: str, job: Any, launch: LaunchConfig, section: StageRunC
         if not RUN_DIR_CLEANUP.defer(run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)
     return [str(d) for d in dirs], result
-
-
-def export_model(checkpoint: str, out: str, cfg: ExportConfig, run_dir: Path) -> dict[str, Any]:
-    """Write the model checkpoint as an HF directory ``out`` in a one-process job (torch stays out of the Kedro
-    process; :mod:`align_pipeline.model.export_job`); returns its summary (with the parity figure if
-    ``cfg.check``)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_torchrun("align_pipeline.model.export_job", {"checkpoint": checkpoint, "out": out, **to_dict(cfg)},
-                        LaunchConfig(nproc_per_node=1), run_dir, name=f"export {Path(checkpoint).name}")
 
 
 def reuse_or_launch(module: str, job: Any, launch: LaunchConfig, section: StageRunConfig, stage_name: str,
@@ -231,10 +163,10 @@ def run_supervised_stage(module: str, job: Any, launch: LaunchConfig, section: S
 
 def check_rl_gate(cfg, stage_name: str, reward_model: str | None) -> None:
     """The stage's gate on its reward model (``<stage>.gate.min_reward_model_accuracy``), before any process starts:
-    :class:`~align_pipeline.gates.GateFailed` when the model's recorded held-out accuracy is below it."""
+    :class:`~align_pipeline.evaluation.gates.GateFailed` when the model's recorded held-out accuracy is below it."""
     if reward_model:
         from align_pipeline.data.formats import checkpoint_meta
-        from align_pipeline.gates import check_reward_model_gate
+        from align_pipeline.evaluation.gates import check_reward_model_gate
 
         check_reward_model_gate(f"{stage_name}.gate.min_reward_model_accuracy", cfg.gate.min_reward_model_accuracy,
                                 checkpoint_meta(reward_model), Path(reward_model).parent.name)

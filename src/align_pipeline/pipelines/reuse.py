@@ -34,7 +34,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from align_pipeline.config import config_hash, to_dict
+from align_pipeline.config.base import config_hash, to_dict
 from align_pipeline.datasets.manifest import MANIFEST_FILE, sha256_of
 from align_pipeline.datasets.stored import REUSE_FILE, StoredVersions, read_reuse_record
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from align_pipeline.config.base import from_dict
 from align_pipeline.config.common import RewardConfig, ScoringConfig
-from align_pipeline.data.schemas import make_error
+from align_pipeline.data.errors import make_error
 from align_pipeline.rewards.base import RewardFunctions, Term
 
 SCORING_SECTIONS: dict[str, type[ScoringConfig]] = {

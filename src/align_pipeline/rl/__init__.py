@@ -4,42 +4,27 @@ Tensors in, tensors out; no Megatron, no ``torch.distributed``. The token-level 
 value losses, REINFORCE/GRPO) live with the other losses in :mod:`align_pipeline.losses.ppo`.
 """
 
-from align_pipeline.rl.advantages import (
-    gae,
-    groups_without_signal,
-    grpo_advantages,
-    masked_moments,
-    moments_to_mean_var,
-    rloo_advantages,
-    token_rewards,
-    whiten_with,
-)
-from align_pipeline.rl.kl import (
-    KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    KLEstimator,
-    kl_k1,
-    kl_k2,
-    kl_k3,
-    kl_penalty,
-)
+from align_pipeline import lazy_exports
 
-__all__ = [
-    "KL_ESTIMATORS",
-    "AdaptiveKLController",
-    "FixedKLController",
-    "KLEstimator",
-    "gae",
-    "groups_without_signal",
-    "grpo_advantages",
-    "kl_k1",
-    "kl_k2",
-    "kl_k3",
-    "kl_penalty",
-    "masked_moments",
-    "moments_to_mean_var",
-    "rloo_advantages",
-    "token_rewards",
-    "whiten_with",
-]
+_EXPORTS = {
+    "AdaptiveKLController": "kl",
+    "FixedKLController": "kl",
+    "KLEstimator": "kl",
+    "KL_ESTIMATORS": "kl",
+    "gae": "advantages",
+    "groups_without_signal": "advantages",
+    "grpo_advantages": "advantages",
+    "kl_k1": "kl",
+    "kl_k2": "kl",
+    "kl_k3": "kl",
+    "kl_penalty": "kl",
+    "masked_moments": "advantages",
+    "moments_to_mean_var": "advantages",
+    "rloo_advantages": "advantages",
+    "token_rewards": "advantages",
+    "whiten_with": "advantages",
+}
+"""Re-exported name -> the submodule that defines it (imported when the name is first read; sorted)."""
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = list(_EXPORTS)

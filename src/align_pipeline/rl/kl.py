@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-from align_pipeline.checks import check_nonnegative, check_positive
+from align_pipeline.config.guards import check_nonnegative, check_positive
 
 KLEstimator = Literal["k1", "k2", "k3"]
 

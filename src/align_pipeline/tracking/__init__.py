@@ -2,31 +2,25 @@
 dies costs seconds once per process), closing runs left RUNNING, system/GPU metrics and lineage tags for torchrun
 entry points (no Kedro imports)."""
 
-from align_pipeline.tracking.lineage import git_commit, git_dirty, git_tags, lineage_tags
-from align_pipeline.tracking.metrics_file import METRICS_FILE, MetricsFile, relog
-from align_pipeline.tracking.mlflow_logger import (
-    RunLogger,
-    child_run_env,
-    default_tracking_uri,
-    flatten,
-    numeric_items,
-)
-from align_pipeline.tracking.probe import unreachable
-from align_pipeline.tracking.system_metrics import SystemMetrics
+from align_pipeline import lazy_exports
 
-__all__ = [
-    "METRICS_FILE",
-    "MetricsFile",
-    "RunLogger",
-    "SystemMetrics",
-    "child_run_env",
-    "default_tracking_uri",
-    "flatten",
-    "git_commit",
-    "git_dirty",
-    "git_tags",
-    "lineage_tags",
-    "numeric_items",
-    "relog",
-    "unreachable",
-]
+_EXPORTS = {
+    "METRICS_FILE": "metrics_file",
+    "MetricsFile": "metrics_file",
+    "RunLogger": "mlflow_logger",
+    "SystemMetrics": "system_metrics",
+    "child_run_env": "mlflow_logger",
+    "default_tracking_uri": "mlflow_logger",
+    "flatten": "mlflow_logger",
+    "git_commit": "lineage",
+    "git_dirty": "lineage",
+    "git_tags": "lineage",
+    "lineage_tags": "lineage",
+    "numeric_items": "mlflow_logger",
+    "relog": "metrics_file",
+    "unreachable": "probe",
+}
+"""Re-exported name -> the submodule that defines it (imported when the name is first read; sorted)."""
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = list(_EXPORTS)

@@ -1,6 +1,6 @@
 """The node's MLflow run, for code running inside a Kedro node (the launcher, node functions).
 
-The hook (:class:`align_pipeline.hooks.MlflowHook`) starts each node's child run through MLflow's client and names
+The hook (:class:`align_pipeline.kedro.mlflow_hook.MlflowHook`) starts each node's child run through MLflow's client and names
 it here for the thread that runs the node (:func:`set_node_run`), instead of pushing it on MLflow's fluent
 active-run stack, whose calls cannot be bounded. :func:`active_run` gives that run, else MLflow's own active run (an
 entry point called inside a user's ``with mlflow.start_run():``). Every call to the store is bounded

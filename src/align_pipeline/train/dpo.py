@@ -19,13 +19,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from align_pipeline.config import DPOJob, ModelConfig, PreferenceLossConfig
 from align_pipeline.config.checks import check_job
+from align_pipeline.config.common import ModelConfig
+from align_pipeline.config.dpo import DPOJob, PreferenceLossConfig
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.preference import PreferenceLogps, combine, get_preference_loss
 from align_pipeline.model import init, lora
 from align_pipeline.model.sequences import lm_token_nll_forward, pair_batch, per_sequence_sum
-from align_pipeline.tracking import RunLogger
+from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core import supervised
 from align_pipeline.train.core.batches import load_split_batches
 from align_pipeline.train.core.checkpointing import Checkpoints

@@ -23,18 +23,20 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as tdist
 
-from align_pipeline.config import EvaluationJob, GenerationConfig, ModelConfig
 from align_pipeline.config.checks import attribute_weights, check_job
+from align_pipeline.config.common import GenerationConfig, ModelConfig
+from align_pipeline.config.evaluation import EvaluationJob
 from align_pipeline.data.formats import load_jsonl
 from align_pipeline.data.store import load_sequences
 from align_pipeline.data.tokenizer import load_tokenizer
+from align_pipeline.evaluation.report import flat_metrics, group_labels, group_means, rank_policies, report_table
 from align_pipeline.model import init
 from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.generate import generate
 from align_pipeline.model.sequences import nll_forward, rewards_forward
-from align_pipeline.report import flat_metrics, group_labels, group_means, rank_policies, report_table
-from align_pipeline.rewards import RewardFunctions, check_records
-from align_pipeline.tracking import RunLogger
+from align_pipeline.rewards.base import RewardFunctions
+from align_pipeline.rewards.check import check_records
+from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core.batches import to_rows
 from align_pipeline.train.core.cli import cli
 from align_pipeline.train.core.distributed import init_distributed, shutdown

@@ -34,26 +34,18 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from align_pipeline.config import PPOConfig, PPOJob
 from align_pipeline.config.checks import check_job
+from align_pipeline.config.ppo import PPOConfig, PPOJob
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from align_pipeline.model import init
 from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.logprobs import token_entropy, token_nll
 from align_pipeline.model.sequences import run
-from align_pipeline.rewards import RewardFunctions
-from align_pipeline.rl import (
-    AdaptiveKLController,
-    FixedKLController,
-    gae,
-    kl_penalty,
-    masked_moments,
-    moments_to_mean_var,
-    token_rewards,
-    whiten_with,
-)
-from align_pipeline.tracking import RunLogger
+from align_pipeline.rewards.base import RewardFunctions
+from align_pipeline.rl.advantages import gae, masked_moments, moments_to_mean_var, token_rewards, whiten_with
+from align_pipeline.rl.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core import rollout
 from align_pipeline.train.core.batches import split_rows
 from align_pipeline.train.core.checkpointing import Checkpoints

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from align_pipeline.config import ModelConfig, ReferenceLogpsJob
+from align_pipeline.config.common import ModelConfig
+from align_pipeline.config.dpo import ReferenceLogpsJob
 from align_pipeline.data.reference_cache import write_cache
 from align_pipeline.data.store import load_sequences
 from align_pipeline.model import init

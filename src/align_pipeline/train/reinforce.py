@@ -19,16 +19,17 @@ from pathlib import Path
 
 import torch
 
-from align_pipeline.config import ReinforceConfig, ReinforceJob
 from align_pipeline.config.checks import check_job
+from align_pipeline.config.reinforce import ReinforceConfig, ReinforceJob
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.reinforce import reinforce_loss
 from align_pipeline.model import init
 from align_pipeline.model.logprobs import token_nll
 from align_pipeline.model.sequences import run
-from align_pipeline.rewards import RewardFunctions
-from align_pipeline.rl import groups_without_signal, grpo_advantages, kl_penalty, rloo_advantages
-from align_pipeline.tracking import RunLogger
+from align_pipeline.rewards.base import RewardFunctions
+from align_pipeline.rl.advantages import groups_without_signal, grpo_advantages, rloo_advantages
+from align_pipeline.rl.kl import kl_penalty
+from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core import rollout
 from align_pipeline.train.core.batches import split_rows
 from align_pipeline.train.core.checkpointing import Checkpoints

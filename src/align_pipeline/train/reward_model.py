@@ -17,13 +17,13 @@ import time
 import numpy as np
 import torch
 
-from align_pipeline.config import RewardModelConfig, RewardModelJob
 from align_pipeline.config.checks import check_job
+from align_pipeline.config.reward_model import RewardModelConfig, RewardModelJob
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.reward import bradley_terry_loss, regression_reward_loss
 from align_pipeline.model import init
 from align_pipeline.model.sequences import pair_batch, run, sequence_rewards
-from align_pipeline.tracking import RunLogger
+from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core import supervised
 from align_pipeline.train.core.batches import load_split_batches
 from align_pipeline.train.core.checkpointing import Checkpoints

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 
-from align_pipeline.config import SFTJob
 from align_pipeline.config.checks import check_job
+from align_pipeline.config.sft import SFTJob
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.sft import masked_token_loss
 from align_pipeline.model import init
 from align_pipeline.model.sequences import lm_token_nll_forward
-from align_pipeline.tracking import RunLogger
+from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core import supervised
 from align_pipeline.train.core.batches import load_split_batches
 from align_pipeline.train.core.checkpointing import Checkpoints

@@ -3,7 +3,7 @@
 Nothing is persisted until every check has passed: the first two nodes return in-memory values (MemoryDatasets);
 only :func:`tokenize_and_split` – which runs the sequence-length checks last – returns the persisted outputs, and
 Kedro saves a node's outputs only after the node has returned. Those outputs (catalog ``commit_group: data_prep``)
-land together or not at all (:mod:`align_pipeline.data_prep_hook`).
+land together or not at all (:mod:`align_pipeline.kedro.staged_outputs`).
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from align_pipeline.config import ModelConfig, from_dict
+from align_pipeline.config.base import from_dict
+from align_pipeline.config.common import ModelConfig
 from align_pipeline.data.dubious import find_dubious, handle_dubious
 from align_pipeline.data.formats import ArrayBundle, Artifact, RecordBundle
 from align_pipeline.data.schemas import RawData, read_raw_jsonl, record_texts
 from align_pipeline.data.tokenize import DataPrepConfig, encode, split_encoded
 from align_pipeline.data.tokenizer import TextTokenizer, build_tokenizer, load_tokenizer
-from align_pipeline.rewards import check_prompts
+from align_pipeline.rewards.check import check_prompts
 
 
 def validate_raw_data(

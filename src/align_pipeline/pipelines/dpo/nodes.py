@@ -11,18 +11,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from align_pipeline.config import (
-    REFERENCE_FREE_LOSSES,
-    DPOConfig,
-    DPOJob,
-    DPOPaths,
-    LaunchConfig,
-    ParallelConfig,
-    ReferenceLogpsJob,
-    config_hash,
-    from_dict,
-    to_dict,
-)
+from align_pipeline.config.base import config_hash, from_dict, to_dict
+from align_pipeline.config.common import LaunchConfig, ParallelConfig
+from align_pipeline.config.dpo import REFERENCE_FREE_LOSSES, DPOConfig, DPOJob, DPOPaths, ReferenceLogpsJob
 from align_pipeline.data.formats import (
     Artifact,
     check_checkpoint_tokenizers,
@@ -32,7 +23,7 @@ from align_pipeline.data.formats import (
 from align_pipeline.data.reference_cache import cache_problem, npz_pairs
 from align_pipeline.datasets.stored import StoredVersions
 from align_pipeline.errors import UserError
-from align_pipeline.launch import run_torchrun
+from align_pipeline.launch.torchrun import run_torchrun
 from align_pipeline.pipelines.common import run_supervised_stage, train_paths, typed_params
 from align_pipeline.pipelines.reuse import model_identity
 

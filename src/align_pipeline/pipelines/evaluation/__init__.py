@@ -1,3 +1,11 @@
 """Evaluation stage: every policy vs sft_policy on held-out prompts."""
 
-from .pipeline import create_pipeline  # noqa: F401
+from align_pipeline import lazy_exports
+
+_EXPORTS = {
+    "create_pipeline": "pipeline",
+}
+"""Re-exported name -> the submodule that defines it (imported when the name is first read; sorted)."""
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = list(_EXPORTS)

@@ -7,23 +7,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from align_pipeline.config import (
-    EvaluationConfig,
-    EvaluationJob,
-    EvaluationPaths,
-    LaunchConfig,
-    ParallelConfig,
-    config_hash,
-    from_dict,
-    to_dict,
-)
+from align_pipeline.config.base import config_hash, from_dict, to_dict
 from align_pipeline.config.checks import check_reward_model
+from align_pipeline.config.common import LaunchConfig, ParallelConfig
+from align_pipeline.config.evaluation import EvaluationConfig, EvaluationJob, EvaluationPaths
 from align_pipeline.data.formats import Artifact, check_checkpoint_tokenizers, check_tokenized_with
 from align_pipeline.datasets.stored import StoredVersions
-from align_pipeline.gates import gates_markdown, promotion
-from align_pipeline.launch import run_torchrun
+from align_pipeline.evaluation.gates import gates_markdown, promotion
+from align_pipeline.evaluation.report import flat_metrics
+from align_pipeline.launch.torchrun import run_torchrun
 from align_pipeline.pipelines.reuse import StageReuse, content_key
-from align_pipeline.report import flat_metrics
 from align_pipeline.tracking.runs import tag_active_run
 
 log = logging.getLogger(__name__)

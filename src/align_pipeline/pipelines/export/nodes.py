@@ -7,10 +7,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from align_pipeline.config import ExportConfig, from_dict
+from align_pipeline.config.base import from_dict
+from align_pipeline.config.common import ExportConfig
 from align_pipeline.data.formats import checkpoint_meta
+from align_pipeline.launch import model_jobs
 from align_pipeline.model.export_check import export_tokenizer
-from align_pipeline.pipelines.common import export_model
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def export_artifact(checkpoint: str, export: dict, *, name: str) -> tuple[str, d
     Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=cfg.work_dir)).resolve()
     out = work / f"{name}_hf"  # the catalog moves it into its version
-    summary = export_model(checkpoint, str(out), cfg, work / "job")
+    summary = model_jobs.export(checkpoint, str(out), cfg, work / "job")
     shutil.rmtree(work / "job", ignore_errors=True)
     log.info("export: %s -> %s (%s, %d files, %.1f MB, %.1f s)", name, out, summary["architecture"],
              summary["files"], summary["bytes"] / 1e6, summary["seconds"])

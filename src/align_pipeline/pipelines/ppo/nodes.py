@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from align_pipeline.config import PPOConfig, PPOJob, PPOPaths, to_dict
+from align_pipeline.config.base import to_dict
 from align_pipeline.config.checks import check_reward_model
+from align_pipeline.config.ppo import PPOConfig, PPOJob, PPOPaths
 from align_pipeline.data.formats import Artifact
 from align_pipeline.datasets.stored import StoredVersions
 from align_pipeline.pipelines.common import check_rl_gate, reuse_or_launch, rl_metrics, rl_paths, typed_params

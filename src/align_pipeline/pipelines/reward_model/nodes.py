@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from align_pipeline.config import RewardModelConfig, RewardModelJob
 from align_pipeline.config.base import ConfigError
+from align_pipeline.config.reward_model import RewardModelConfig, RewardModelJob
 from align_pipeline.data.formats import Artifact
 from align_pipeline.datasets.stored import StoredVersions
 from align_pipeline.pipelines.common import run_supervised_stage, train_paths, typed_params

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from align_pipeline.config import SFTConfig, SFTJob
+from align_pipeline.config.sft import SFTConfig, SFTJob
 from align_pipeline.data.formats import Artifact
 from align_pipeline.datasets.stored import StoredVersions
 from align_pipeline.pipelines.common import run_supervised_stage, train_paths, typed_params

@@ -13,9 +13,9 @@ import math
 import numpy as np
 import torch
 
-from align_pipeline.config import TrainingConfig
 from align_pipeline.config.base import ConfigError
 from align_pipeline.config.checks import check_batch_split
+from align_pipeline.config.common import TrainingConfig
 from align_pipeline.data.packing import pack, packed_microbatch
 from align_pipeline.data.store import Rows, RowView, load_sequences
 from align_pipeline.train.core.distributed import Dist

@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from align_pipeline.config import RLLoopConfig, TrainingConfig, config_hash, to_dict
+from align_pipeline.config.base import config_hash, to_dict
+from align_pipeline.config.common import RLLoopConfig, TrainingConfig
 from align_pipeline.model import checkpoint
 from align_pipeline.train.core.distributed import Dist
 from align_pipeline.train.core.optimizer import Trainable

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from align_pipeline.config import from_dict
+from align_pipeline.config.base import from_dict
 
 
 def cli(job_cls, main, doc: str | None) -> None:

@@ -16,8 +16,8 @@ import torch.distributed as tdist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from align_pipeline.config import ParallelConfig
 from align_pipeline.config.checks import Names, check_world
+from align_pipeline.config.common import ParallelConfig
 from align_pipeline.train.core import megatron_cpu
 
 

@@ -12,7 +12,7 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from align_pipeline.config import LoRAConfig, OptimizerConfig, ParallelConfig
+from align_pipeline.config.common import LoRAConfig, OptimizerConfig, ParallelConfig
 from align_pipeline.model import kernels, memory
 from align_pipeline.model.init import ModelSource, build_model
 from align_pipeline.train.core import profiling

@@ -122,7 +122,7 @@ def log_job_params(logger, job, dist: Dist, **extra: Any) -> None:
     on the node's child run, and logging them twice would give every param two names."""
     params: dict[str, Any] = {"world_size": dist.world_size, **extra}
     if not logger.run_id:
-        from align_pipeline.config import to_dict
+        from align_pipeline.config.base import to_dict
 
         params.update({k: v for k, v in to_dict(job).items() if k not in ("paths", "lineage")})
     logger.log_params(params)

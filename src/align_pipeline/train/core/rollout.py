@@ -15,14 +15,16 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from align_pipeline.config import GenerationConfig, ModelConfig, RewardConfig, RLLoopConfig, config_hash, to_dict
+from align_pipeline.config.base import config_hash, to_dict
 from align_pipeline.config.checks import attribute_weights
+from align_pipeline.config.common import GenerationConfig, ModelConfig, RewardConfig, RLLoopConfig
 from align_pipeline.data.formats import load_jsonl
 from align_pipeline.model import init, lora
 from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.generate import generate, prepare_generation
 from align_pipeline.model.sequences import rewards_forward, token_logprobs_forward, token_values_forward
-from align_pipeline.rewards import RewardFunctions, check_records
+from align_pipeline.rewards.base import RewardFunctions
+from align_pipeline.rewards.check import check_records
 from align_pipeline.train.core.batches import PromptStream, to_rows
 from align_pipeline.train.core.distributed import Dist
 from align_pipeline.train.core.optimizer import build_frozen

@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from align_pipeline.config import TrainingConfig, config_hash, to_dict
+from align_pipeline.config.base import config_hash, to_dict
+from align_pipeline.config.common import TrainingConfig
 from align_pipeline.model import memory
 from align_pipeline.train.core.checkpointing import Checkpoints
 from align_pipeline.train.core.distributed import Dist

@@ -13,7 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
-from align_pipeline.config import ModelConfig, ParallelConfig, from_dict, to_dict
+from align_pipeline.config.base import from_dict, to_dict
+from align_pipeline.config.common import ModelConfig, ParallelConfig
 from align_pipeline.model import checkpoint, init
 from align_pipeline.train.core.distributed import init_distributed, shutdown
 

@@ -29,17 +29,19 @@ from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
-from align_pipeline.config import SECTIONS, ConfigError, LaunchConfig, ModelConfig, ParallelConfig, from_dict
+from align_pipeline.config.base import ConfigError, from_dict
 from align_pipeline.config.checks import (
     Arch,
     Names,
     check_job_layout,
     check_vocab,
-    launch_world,
     path_arch,
     start_arch,
 )
+from align_pipeline.config.common import LaunchConfig, ModelConfig, ParallelConfig
+from align_pipeline.config.sections import SECTIONS
 from align_pipeline.errors import UserError
+from align_pipeline.launch.world import world_size
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +210,7 @@ def check_layouts(
     model = from_dict(ModelConfig, parameters.get("model"), "params:model")
     parallel = from_dict(ParallelConfig, parameters.get("parallel"), "params:parallel")
     launch = from_dict(LaunchConfig, parameters.get("launch"), "params:launch")
-    world, world_desc = launch_world(launch, gpus)
+    world, world_desc = world_size(launch, gpus)
     archs = _Architectures(parameters, model, pipeline, catalog)
     for node, (stage, section_name) in nodes:
         section = from_dict(SECTIONS[section_name], parameters.get(section_name), f"params:{section_name}")
@@ -238,7 +240,7 @@ def check_prompt_fields(parameters: dict[str, Any], pipeline, catalog) -> None:
     A file that is not there is left to the node that reads it."""
     from align_pipeline.data.formats import load_jsonl
     from align_pipeline.data.schemas import display_path, read_raw_jsonl
-    from align_pipeline.rewards import check_prompts, check_records, stage_reward_functions
+    from align_pipeline.rewards.check import check_prompts, check_records, stage_reward_functions
 
     def current(name: str):
         dataset = catalog.get(name) if catalog is not None else None
