@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STAGE_DONE = re.compile(r"(\w+): finished in ([\d.]+) s")
-# A log line's time: "2026-12-04 11:05:18 INFO ..." (piped: align_pipeline.console's plain records), or rich's
+# A log line's time: "2026-12-04 11:05:18 INFO ..." (piped: align_pipeline.kedro.console's plain records), or rich's
 # "[12/04/26 11:05:18]" (a terminal)
 _TIME = r"^(?:\[\d\d/\d\d/\d\d |\d{4}-\d\d-\d\d )(\d\d:\d\d:\d\d)"
 FIRST_LAUNCH = re.compile(_TIME + r".*torchrun \d+ node", re.MULTILINE)

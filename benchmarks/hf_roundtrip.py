@@ -109,7 +109,7 @@ def parity_on_device(ckpt: str, hf_dir: Path, vocab: int, run_dir: Path) -> dict
 
     tokens = np.random.default_rng(0).integers(0, vocab, size=(2, 32)).tolist()
     run_dir.mkdir(parents=True, exist_ok=True)
-    ours = torch.tensor(run_torchrun("align_pipeline.model.logits_job", {"checkpoint": ckpt, "tokens": tokens},
+    ours = torch.tensor(run_torchrun("align_pipeline.train.jobs.logits", {"checkpoint": ckpt, "tokens": tokens},
                                      LaunchConfig(nproc_per_node=1), run_dir, name="megatron logits")["logits"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ids = torch.tensor(tokens, device=device)
