@@ -1,0 +1,191 @@
+"""What the RL stages (PPO, REINFORCE) share around their loops, so each loop stays readable in its own file:
+
+* set-up: process groups, tokenizer, the policy's source and the job's layout check (:class:`RLStage`), then - after
+  the stage has built what it trains - the reward functions, the frozen judges (KL reference, reward model) and the
+  prompts (:meth:`RLStage.load_scoring`), resume and the warm-up of generation (:meth:`RLStage.start`);
+* per iteration: 1. the rollout and 2. its scores and per-token log-probs (:meth:`RLStage.rollout_and_score`), and
+  5. the tail - metrics, validation, run log, checkpoint (:meth:`RLStage.end_iteration`);
+* the end: final validation, checkpoint, export with meta.json (:meth:`RLStage.finish`).
+
+Steps 3 (advantages) and 4 (updates) are each stage's own, in its file.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from align_pipeline.config.base import config_hash, to_dict
+from align_pipeline.config.checks import attribute_weights, check_job
+from align_pipeline.config.common import ModelConfig, RewardConfig, RLLoopConfig
+from align_pipeline.data.formats import load_jsonl
+from align_pipeline.data.tokenizer import load_tokenizer
+from align_pipeline.model import init
+from align_pipeline.model.checkpoint import reward_pooling
+from align_pipeline.model.sequences import rewards_forward
+from align_pipeline.rewards.base import RewardFunctions
+from align_pipeline.rewards.check import check_records
+from align_pipeline.tracking.mlflow_logger import RunLogger
+from align_pipeline.train.core import rollout
+from align_pipeline.train.core.batches import PromptStream
+from align_pipeline.train.core.distributed import Dist, init_distributed
+from align_pipeline.train.core.metrics import Timings, throughput
+from align_pipeline.train.core.offload import Offload
+from align_pipeline.train.core.optimizer import Trainable, build_frozen
+from align_pipeline.train.core.progress import RunLog, log, log_job_params
+
+
+class RLStage:
+    """One RL job's shared state: ``dist``, ``tok``, ``source`` (the policy's start), ``vocab``, ``seq_length``; after
+    :meth:`load_scoring` ``reward_fns``, ``reference``, ``rm``, ``rm_forward``, ``prompts``, ``val_records``."""
+
+    def __init__(self, name: str, job, cfg) -> None:
+        self.name, self.job, self.cfg = name, job, cfg
+        self.paths, self.run_dir = job.paths, Path(job.paths.run_dir)
+        self.rl, self.gen, self.mbs = cfg.rl, cfg.generation, cfg.rl.micro_batch_size
+        self.dist = dist = init_distributed(job.parallel, self.rl.seed)
+        self.logger = RunLogger(rank=dist.rank)
+        self.tok = load_tokenizer(self.paths.tokenizer)
+        self.source = init.resolve(self.paths.policy, job.model, self.tok.vocab_size)
+        check_job(name, cfg, job.parallel, dist.world_size, self.source.model, self.paths.policy,
+                  self.source.parent["kind"])
+        log(dist, f"[{name}] {dist.describe()} policy={self.paths.policy} reward_model={self.paths.reward_model}")
+        self.vocab, self.seq_length = self.source.vocab_size, self.source.model.seq_length
+        self.setup: dict[str, float] = {}
+
+    def load_scoring(self) -> None:
+        """The reward functions, the frozen judges and the prompts (after the trained models: their random draws
+        do not depend on whether a reference is built)."""
+        where = f"{self.name}.reward"
+        self.reward_fns = RewardFunctions.load(self.cfg.reward, where)
+        self.reference, self.rm, self.rm_forward = load_judges(
+            self.paths, self.cfg.reward, self.job.model.attention_backend, self.job.parallel, self.dist, where,
+            lora_policy=bool(self.cfg.lora.rank))
+        self.prompts, self.val_records = load_prompts(self.paths, self.rl, self.dist, self.reward_fns)
+
+    def offload(self, optimizers: list) -> Offload:
+        """The ``offload`` options over the frozen judges and ``optimizers``."""
+        return Offload(self.cfg.offload, self.dist.device, [self.reference, self.rm], optimizers)
+
+    def start(self, actor: Trainable, ckpts) -> tuple[int, dict[str, Any] | None]:
+        """Resume (:func:`start`), then, before iteration 1, the KV cache and CUDA graphs, so its generate time is a
+        warm one (the set-up is logged apart, with iteration 1); returns (first iteration, resumed train state)."""
+        self.ckpts = ckpts
+        iteration, state, self.runlog = start(self.name, self.job, ckpts, self.prompts, self.rl, self.dist,
+                                              self.logger)
+        if iteration < self.rl.iterations:
+            self.setup = rollout.prepare_rollouts(actor.model, self.prompts, iteration, self.gen, self.tok, self.vocab,
+                                                  self.dist, self.seq_length)
+        return iteration, state
+
+    def rollout_and_score(self, actor: Trainable, iteration: int, timings: Timings, offload: Offload,
+                          also: Callable[[dict], Any] | None = None):
+        """Steps 1-2: this DP rank's rollout (optimizer states offloaded while generating), then its scores and the
+        per-token log-probs of the rollout policy and the KL reference [n, s] (+ ``also(rows)``, e.g. the critic's
+        values), the frozen models on the device only meanwhile -> (rollout, scores, old_logp, ref_logp, also)."""
+        dist, gen, vocab, mbs = self.dist, self.gen, self.vocab, self.mbs
+        offload.optimizers_to("cpu")
+        with timings("timing/generate_s"):
+            r = rollout.generate_rollout(actor.model, self.prompts.local(iteration), gen, self.tok, vocab, dist,
+                                         self.seq_length, rollout.iteration_seed(gen.seed, iteration, dist.dp_rank))
+        with timings("timing/score_s"):
+            offload.frozen_to(dist.device)
+            scores = rollout.score(r, self.cfg.reward, self.reward_fns, self.rm, self.rm_forward, mbs, dist)
+            old_logp = rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist)  # [n, s]
+            ref_logp = rollout.reference_logprobs(self.reference, actor.model, r.rows, vocab, mbs, dist)  # [n, s]
+            extra = also(r.rows) if also is not None else None
+            offload.frozen_to("cpu")
+        offload.optimizers_to(dist.device)
+        return r, scores, old_logp, ref_logp, extra
+
+    def train_state(self, iteration: int, **extra: Any) -> dict[str, Any]:
+        """What a checkpoint resumes from: the iteration, the prompt cursor, and the stage's own state."""
+        return {"iteration": iteration, "consumed_prompts": self.prompts.consumed(iteration), **extra}
+
+    def end_iteration(self, iteration: int, m: dict[str, float], timings: Timings, r, trained_rows: int, t0: float,
+                      actor: Trainable, train_state: dict[str, Any]) -> dict | None:
+        """Step 5 (``iteration`` counted done): timings, throughput, validation on the interval, the run log, a
+        checkpoint on the interval; returns the job's result when it stops here (``stop_after``), else None."""
+        rl = self.rl
+        m.update(timings)
+        m.update(self.setup)  # iteration 1 only
+        self.setup = {}
+        m.update(throughput(r, timings, trained_rows=trained_rows, seq_length=self.seq_length, dist=self.dist))
+        m["timing/iteration_s"] = time.perf_counter() - t0
+        if rl.eval_interval and iteration % rl.eval_interval == 0 and iteration < rl.iterations:
+            m.update(rollout.validation_accuracy(actor.model, self.val_records, self.gen, self.tok, self.vocab,
+                                                 self.dist, self.seq_length, self.reward_fns))
+        self.runlog.record(iteration, m, {"iteration": iteration, **m}, force="val/greedy_accuracy" in m)
+        if self.ckpts.after_step(iteration, train_state):
+            return self.runlog.stopped(iteration, self.run_dir, self.ckpts.started_at)
+        return None
+
+    def finish(self, iteration: int, actor: Trainable, train_state: dict[str, Any], m: dict[str, float],
+               per_model: dict[str, dict[str, Any]] | None = None) -> dict:
+        """Final validation (greedy and sampled accuracy), checkpoint, export of every trained model; the result."""
+        final = rollout.validation_accuracy(actor.model, self.val_records, self.gen, self.tok, self.vocab, self.dist,
+                                            self.seq_length, self.reward_fns)
+        self.logger.log_metrics(final, iteration)
+        log(self.dist, f"[{self.name}] done: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+        self.ckpts.save(iteration, train_state)
+        dirs = self.ckpts.export(iteration, export_meta(self.name, self.job, self.tok, final, m), per_model=per_model)
+        return self.runlog.finish(self.run_dir, {**dirs, "step": iteration, "iteration": iteration, **final,
+                                                 "final": {**m, **final}, "history": self.runlog.history})
+
+
+def load_judges(paths, reward: RewardConfig, attention_backend: str, parallel, dist: Dist, where: str,
+                lora_policy: bool = False):
+    """The frozen models of an RL stage: the KL reference (``paths.reference`` or the policy's start) and, when the
+    reward uses it, the reward model with its scoring forward (its pooling; a multi-attribute model's outputs
+    combined by ``reward.reward_model_attribute_weights``, ``where`` naming that section); returns (reference,
+    reward model | None, rewards forward | None). ``lora_policy`` (the policy trains adapters) with the reference
+    being the policy's start: no reference model (None): the policy with its adapters off is the reference
+    (:func:`reference_logprobs`)."""
+    run_time = ModelConfig(attention_backend=attention_backend)
+    reference = None
+    if lora_policy and paths.reference in (None, paths.policy):
+        log(dist, "[rl] KL reference: the policy with its LoRA adapters off (no second copy of the weights)")
+    else:
+        reference = build_frozen(init.resolve(paths.reference or paths.policy, run_time, 0), parallel, dist)
+    if paths.reward_model is None or not reward.reward_model_weight:
+        return reference, None, None
+    source = init.resolve(paths.reward_model, run_time, 0)
+    weights = attribute_weights(reward.reward_model_attribute_weights, source.num_outputs, where, paths.reward_model)
+    rm = build_frozen(source, parallel, dist, head="value")
+    return reference, rm, rewards_forward(reward_pooling(paths.reward_model), weights)
+
+
+def load_prompts(paths, rl: RLLoopConfig, dist: Dist, rewards: RewardFunctions
+                 ) -> tuple[PromptStream, list[dict]]:
+    """The training prompt stream and the held-out prompt records used for validation, every record checked for
+    the fields the reward functions need (:func:`align_pipeline.rewards.check_records`)."""
+    train = load_jsonl(paths.prompts)
+    check_records(train, paths.prompts, rewards)
+    val = load_jsonl(paths.val_prompts)[: rl.eval_prompts] if paths.val_prompts else []
+    check_records(val, paths.val_prompts, rewards)
+    return PromptStream(train, rl.prompts_per_iteration, dist, rl.seed), val
+
+
+def start(stage: str, job, ckpts, prompts: PromptStream, rl: RLLoopConfig, dist: Dist, logger):
+    """Resume every trained model from the newest common checkpoint (checking the prompt cursor), log the job as
+    MLflow params, open the run log; returns (first iteration to run, the checkpoint's train state or None, log)."""
+    iteration, state = ckpts.resume()
+    if state is not None:
+        if state["consumed_prompts"] != prompts.consumed(iteration):
+            raise RuntimeError(f"prompt cursor {state['consumed_prompts']} does not match iteration {iteration}")
+        log(dist, f"[{stage}] resumed at iteration {iteration} from {job.paths.run_dir}")
+    log_job_params(logger, job, dist, resumed_from_iteration=iteration)
+    return iteration, state, RunLog(stage, dist, logger, rl.iterations, iteration, rl.log_interval, unit="iteration")
+
+
+def export_meta(stage: str, job, tok, final: dict[str, float], last: dict[str, float]) -> dict:
+    """meta.json fields of an RL stage's exported models: tokenizer, layout, final metrics, lineage (the KL reference
+    and the reward model included)."""
+    paths = job.paths
+    return {"stage": stage, "tokenizer": {"path": str(paths.tokenizer), "fingerprint": tok.fingerprint},
+            "saved_with_parallel": to_dict(job.parallel),
+            "metrics": {**final, **{k: v for k, v in last.items() if not k.startswith("timing/")}},
+            "lineage": {**job.lineage, "reference": paths.reference or paths.policy,
+                        "reward_model": paths.reward_model, "config_hash": config_hash(job)}}
