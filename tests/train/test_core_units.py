@@ -16,7 +16,8 @@ from align_pipeline.model.logprobs import token_entropy
 from align_pipeline.model.sequences import attribute_rewards, pair_batch, sequence_rewards
 from align_pipeline.rewards import RewardFunctions
 from align_pipeline.train.core.batches import ArrayBatches, PromptStream, split_rows, to_rows
-from align_pipeline.train.core.rollout import DPStats, Rollout, rollout_stats, score
+from align_pipeline.train.core.metrics import DPStats
+from align_pipeline.train.core.rollout import Rollout, rollout_stats, score
 
 
 def test_to_rows_aligns_labels_and_loss_mask_with_the_response():

@@ -29,30 +29,25 @@ from __future__ import annotations
 
 import contextlib
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as tdist
 
-from align_pipeline.config.checks import check_job
 from align_pipeline.config.ppo import PPOConfig, PPOJob
-from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from align_pipeline.model import init
 from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.logprobs import token_entropy, token_nll
 from align_pipeline.model.sequences import run
-from align_pipeline.rewards.base import RewardFunctions
 from align_pipeline.rl.advantages import gae, masked_moments, moments_to_mean_var, token_rewards, whiten_with
 from align_pipeline.rl.kl import AdaptiveKLController, FixedKLController, kl_penalty
-from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core import rollout
 from align_pipeline.train.core.batches import split_rows
 from align_pipeline.train.core.checkpointing import Checkpoints
 from align_pipeline.train.core.cli import cli
-from align_pipeline.train.core.distributed import init_distributed
+from align_pipeline.train.core.metrics import Timings, mean_metrics
 from align_pipeline.train.core.optimizer import build_trainable, train_step
-from align_pipeline.train.core.progress import log
+from align_pipeline.train.core.rl_stage import RLStage
 
 POLICY_METRICS = ["policy_loss", "clip_fraction", "approx_kl", "ratio", "entropy"]
 VALUE_METRICS = ["value_loss", "value_clip_fraction"]
@@ -118,65 +113,43 @@ def advantages_and_returns(cfg: PPOConfig, scores: torch.Tensor, old_logp: torch
 
 
 def main(job: PPOJob) -> dict:
-    # ---- set-up: process groups, tokenizer, prompts, actor + critic (trained), reference + reward model (frozen) ----
-    cfg, paths, run_dir = job.ppo, job.paths, Path(job.paths.run_dir)
-    rl, gen, mbs = cfg.rl, cfg.generation, cfg.rl.micro_batch_size
-    dist = init_distributed(job.parallel, rl.seed)
-    logger = RunLogger(rank=dist.rank)
-    tok = load_tokenizer(paths.tokenizer)
-    source = init.resolve(paths.policy, job.model, tok.vocab_size)
-    check_job("ppo", cfg, job.parallel, dist.world_size, source.model, paths.policy, source.parent["kind"])
-    log(dist, f"[ppo] {dist.describe()} policy={paths.policy} reward_model={paths.reward_model}")
+    # ---- set-up: process groups, tokenizer, actor + critic (trained), reward functions, reference + reward model
+    #      (frozen), prompts ----
+    cfg, paths = job.ppo, job.paths
+    stage = RLStage("ppo", job, cfg)
+    rl, gen, mbs, dist = stage.rl, stage.gen, stage.mbs, stage.dist
     total_steps = rl.iterations * rl.steps_per_iteration
     warmup = cfg.critic_warmup_iterations  # the actor waits while the critic learns this reward's returns
-    actor = build_trainable(source, job.parallel, cfg.optimizer, (rl.iterations - warmup) * rl.steps_per_iteration,
+    actor = build_trainable(stage.source, job.parallel, cfg.optimizer, (rl.iterations - warmup) * rl.steps_per_iteration,
                             dist, lora=cfg.lora)
     # the critic before the frozen models: its adapters' initial draws do not depend on whether a reference is built
-    critic_source = init.resolve(paths.critic or paths.reward_model, job.model, tok.vocab_size)
+    critic_source = init.resolve(paths.critic or paths.reward_model, job.model, stage.tok.vocab_size)
     critic = build_trainable(critic_source, job.parallel, cfg.critic_optimizer, total_steps, dist, head="value",
                              lora=cfg.critic_lora)
-    reward_fns = RewardFunctions.load(cfg.reward, "ppo.reward")
-    reference, rm, rm_forward = rollout.load_judges(paths, cfg.reward, job.model.attention_backend, job.parallel, dist,
-                                                    "ppo.reward", lora_policy=bool(cfg.lora.rank))
-    prompts, val_records = rollout.load_prompts(paths, rl, dist, reward_fns)
-    vocab, seq_length = source.vocab_size, source.model.seq_length
+    stage.load_scoring()
     kl_ctl = (AdaptiveKLController(cfg.kl.beta, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive
               else FixedKLController(cfg.kl.beta))
-    offload = rollout.Offload(cfg.offload, dist.device, [reference, rm], [actor.optimizer, critic.optimizer])
-    policy_loss, value_loss = actor_loss(cfg, vocab, dist), critic_loss(cfg)
-    ckpts = Checkpoints.for_rl({"actor": (actor, run_dir / "actor"), "critic": (critic, run_dir / "critic")}, rl, job, "ppo", dist)
-    iteration, state, runlog = rollout.start("ppo", job, ckpts, prompts, rl, dist, logger)
+    offload = stage.offload([actor.optimizer, critic.optimizer])
+    policy_loss, value_loss = actor_loss(cfg, stage.vocab, dist), critic_loss(cfg)
+    ckpts = Checkpoints.for_rl({"actor": (actor, stage.run_dir / "actor"), "critic": (critic, stage.run_dir / "critic")},
+                               rl, job, "ppo", dist)
+    iteration, state = stage.start(actor, ckpts)
     if state is not None:
         kl_ctl.load_state_dict(state["kl_controller"])
-
-    # KV cache and CUDA graphs before iteration 1, so its generate time is a warm one (the set-up is logged apart)
-    setup = (rollout.prepare_rollouts(actor.model, prompts, iteration, gen, tok, vocab, dist, seq_length)
-             if iteration < rl.iterations else {})
 
     # ---- the loop: rollout -> score -> KL + advantages -> minibatch updates -> log -> checkpoint ----
     m: dict[str, float] = {}
     while iteration < rl.iterations:
-        t0, timings = time.perf_counter(), rollout.Timings()
-        # 1. rollout
-        offload.optimizers_to("cpu")
-        with timings("timing/generate_s"):
-            r = rollout.generate_rollout(actor.model, prompts.local(iteration), gen, tok, vocab, dist, seq_length,
-                                         rollout.iteration_seed(gen.seed, iteration, dist.dp_rank))
-        # 2. score, and the per-token forward passes of actor, reference and critic
-        with timings("timing/score_s"):
-            offload.frozen_to(dist.device)
-            scores = rollout.score(r, cfg.reward, reward_fns, rm, rm_forward, mbs, dist)
-            old_logp = rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist)  # [n, s]
-            ref_logp = rollout.reference_logprobs(reference, actor.model, r.rows, vocab, mbs, dist)  # [n, s]
-            values = rollout.token_values(critic.model, r.rows, mbs, dist)  # [n, s]
-            offload.frozen_to("cpu")
-        offload.optimizers_to(dist.device)
+        t0, timings = time.perf_counter(), Timings()
+        # 1-2. rollout; its scores and the per-token forward passes of actor, reference and critic
+        r, scores, old_logp, ref_logp, values = stage.rollout_and_score(
+            actor, iteration, timings, offload, also=lambda rows: rollout.token_values(critic.model, rows, mbs, dist))
         # 3. KL penalty, GAE, whitening; the KL controller moves with the rollout's KL
         mask, beta = r.rows["loss_mask"], kl_ctl.value
         kl, advantages, returns, raw = advantages_and_returns(cfg, scores.total, old_logp, ref_logp, values, mask,
                                                               beta, dist)
         seq_kl = kl.sum(-1)  # [n]
-        stats = rollout.rollout_stats(r, scores, reward_fns, dist)
+        stats = rollout.rollout_stats(r, scores, stage.reward_fns, dist)
         stats.add("rollout/rewards_with_kl", scores.total - beta * seq_kl, torch.isfinite(scores.total), std=False)
         stats.add("rollout/init_policy_kl", seq_kl, std=False)
         stats.add("rollout/advantages", raw, mask)
@@ -194,40 +167,25 @@ def main(job: PPOJob) -> dict:
                 order = rollout.minibatch_order(rl.seed, iteration, epoch, r.n, dist.device)
                 if train_actor:
                     actor_steps += [train_step(actor, split_rows(rows, mbs, chunk), policy_loss, POLICY_METRICS,
-                                               dist, seq_length) for chunk in order.chunk(rl.minibatches)]
+                                               dist, stage.seq_length) for chunk in order.chunk(rl.minibatches)]
                 critic_steps += [train_step(critic, split_rows(rows, mbs, chunk), value_loss, VALUE_METRICS, dist,
-                                            seq_length) for chunk in order.chunk(rl.minibatches)]
+                                            stage.seq_length) for chunk in order.chunk(rl.minibatches)]
         iteration += 1
         # 5. log, validate, checkpoint
         if actor_steps:
-            m.update(rollout.mean_metrics(actor_steps, "train"))
-        m.update(rollout.mean_metrics(critic_steps, "critic"))
-        m.update(timings)
-        m.update(setup)  # iteration 1 only
-        setup = {}
+            m.update(mean_metrics(actor_steps, "train"))
+        m.update(mean_metrics(critic_steps, "critic"))
         trained_rows = (2 if train_actor else 1) * rl.epochs * r.n  # actor + critic rows
-        m.update(rollout.throughput(r, timings, trained_rows=trained_rows, seq_length=seq_length, dist=dist))
-        m["timing/iteration_s"] = time.perf_counter() - t0
-        if rl.eval_interval and iteration % rl.eval_interval == 0 and iteration < rl.iterations:
-            m.update(rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length,
-                                                 reward_fns))
-        runlog.record(iteration, m, {"iteration": iteration, **m}, force="val/greedy_accuracy" in m)
-        train_state = {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration),
-                       "kl_controller": kl_ctl.state_dict()}
-        if ckpts.after_step(iteration, train_state):
-            return runlog.stopped(iteration, run_dir, ckpts.started_at)
+        stopped = stage.end_iteration(iteration, m, timings, r, trained_rows, t0, actor,
+                                      stage.train_state(iteration, kl_controller=kl_ctl.state_dict()))
+        if stopped is not None:
+            return stopped
 
     # ---- final validation, checkpoint and export of actor and critic ----
-    final = rollout.validation_accuracy(actor.model, val_records, gen, tok, vocab, dist, seq_length, reward_fns)
-    logger.log_metrics(final, iteration)
-    log(dist, "[ppo] done: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
-    ckpts.save(iteration, {"iteration": iteration, "consumed_prompts": prompts.consumed(iteration),
-                           "kl_controller": kl_ctl.state_dict()})
     critic_meta = {"reward_head": {"pooling": reward_pooling(critic_source.parent["path"])}} \
         if critic_source.head == "value" else {}
-    dirs = ckpts.export(iteration, rollout.export_meta("ppo", job, tok, final, m), per_model={"critic": critic_meta})
-    return runlog.finish(run_dir, {**dirs, "step": iteration, "iteration": iteration, **final,
-                                   "final": {**m, **final}, "history": runlog.history})
+    return stage.finish(iteration, actor, stage.train_state(iteration, kl_controller=kl_ctl.state_dict()), m,
+                        per_model={"critic": critic_meta})
 
 
 if __name__ == "__main__":  # torchrun runs the module; importing it (tests, spawned helpers) runs nothing
