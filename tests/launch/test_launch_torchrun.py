@@ -191,6 +191,31 @@ def test_sigkilled_parent_leaves_no_job_behind(tmp_path):
     assert all(_gone(p) for p in alive), f"orphans left: {alive}"
 
 
+def test_a_one_process_job_runs_without_an_agent_its_store_on_loopback_and_dies_with_its_parent(tmp_path):
+    """nproc_per_node 1 on one node: the launcher starts the rank itself (no torchrun agent in between), the rank hosts
+    its rendezvous store on 127.0.0.1 only, and a SIGKILLed launcher leaves nothing behind."""
+    script = PARENT_SCRIPT.replace('"nproc_per_node": 2', '"nproc_per_node": 1')
+    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(HERE)])
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "pid0").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rank = psutil.Process(int((tmp_path / "pid0").read_text()))
+        assert rank.ppid() == parent.pid  # the launcher's own child: no agent
+        deadline = time.monotonic() + 120
+        listening = []
+        while not listening and time.monotonic() < deadline:
+            listening = [c.laddr for c in rank.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+            time.sleep(0.1)
+        assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
+        job = [rank, *rank.children(recursive=True)]
+    finally:
+        parent.kill()
+        parent.wait()
+    _, alive = psutil.wait_procs(job, timeout=15)
+    assert all(_gone(p) for p in alive), f"orphans left: {alive}"
+
+
 def test_job_logs_into_the_active_mlflow_run(tmp_path, tmp_path_factory, monkeypatch):
     """The launcher hands the active run to the job; rank 0 alone logs into it."""
     import mlflow

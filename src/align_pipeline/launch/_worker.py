@@ -15,6 +15,9 @@ behaves like ``python -m <module> --config <json>`` with two additions:
 - the rank dies with its torchrun agent: a watchdog thread sees the agent go (the rank is re-parented) and kills the
   rank's process group – the rank and every child it forked, e.g. a checkpoint writer – so a SIGKILLed agent leaves
   no rank training on;
+- a one-process job runs without torchrun (``ALIGN_HOST_STORE=1``, set by the launcher): the shim is then the
+  launcher's child, hosts the job's rendezvous store itself on ``MASTER_ADDR`` alone (as
+  :mod:`align_pipeline.launch._agent` does for torchrun) and dies with the launcher;
 - with ``ALIGN_RUN_LOCK`` set (the launcher sets it), the rank holds a shared ``flock`` on that file for its whole
   life (its forked children inherit it), so the launcher refuses a second job in the same run directory while any
   process of this one lives.
@@ -96,6 +99,23 @@ def _die_with_agent(agent_pid: int, interval: float = WATCHDOG_INTERVAL_S) -> No
     threading.Thread(target=watch, name="align-die-with-agent", daemon=True).start()
 
 
+def _host_store():
+    """The rendezvous store of a one-process job, listening on ``MASTER_ADDR`` only; the rank joins it as a client
+    (``TORCHELASTIC_USE_AGENT_STORE``), as torchrun's ranks join their agent's."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(16)
+    return TCPStore(host, port, None, True, datetime.timedelta(seconds=900), wait_for_workers=False,
+                    multi_tenant=True, master_listen_fd=listener.detach())  # fmt: skip  (the store owns the fd)
+
+
 def _without_shim_frames(tb: TracebackType | None, shim_files: set[str]) -> TracebackType | None:
     while tb is not None and tb.tb_frame.f_code.co_filename in shim_files:
         tb = tb.tb_next
@@ -110,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     _hold_run_lock(os.environ.get("ALIGN_RUN_LOCK"))
     _redirect_output(os.path.join(log_dir, f"rank{rank}.log"))
     _write_pid(log_dir, rank)
+    store = _host_store() if os.environ.pop("ALIGN_HOST_STORE", "") == "1" else None  # noqa: F841 — kept alive
     sys.argv = [module, *args]
 
     def run_entry_point() -> None:

@@ -249,6 +249,24 @@ def build_command(module: str, config_path: str | Path, launch: LaunchConfig, lo
     ]  # fmt: skip
 
 
+def direct(launch: LaunchConfig) -> bool:
+    """A one-process local job runs without a torchrun agent (:func:`build_direct_command`): the launcher starts the
+    rank itself, a second or so sooner than through torchrun."""
+    return launch.nnodes == 1 and launch.nproc_per_node == 1 and launch.backend != "slurm"
+
+
+def build_direct_command(module: str, config_path: str | Path, launch: LaunchConfig,
+                         log_dir: str | Path) -> tuple[list[str], dict[str, str]]:
+    """A one-process job: the per-rank shim started by the launcher, with the environment torchrun would give rank 0
+    of a world of one, and its rendezvous store hosted by the shim on ``master_addr`` alone (``ALIGN_HOST_STORE``)."""
+    port = launch.master_port or free_port(launch.master_addr)
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+           "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1", "ROLE_NAME": "default",
+           "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "MASTER_ADDR": launch.master_addr, "MASTER_PORT": str(port), "ALIGN_HOST_STORE": "1"}
+    return [sys.executable, "-m", WORKER_MODULE, str(log_dir), module, "--config", str(config_path)], env
+
+
 def build_env(launch: LaunchConfig, backend: str | None, env: Mapping[str, Any] | None = None) -> dict[str, str]:
     """os.environ + job settings + the active MLflow run (:func:`child_run_env`), then ``env`` overrides.
     ``backend`` None (``dist_backend: auto``): no ``ALIGN_BACKEND``, each rank picks nccl with CUDA, else gloo."""
@@ -590,6 +608,11 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
         script.write_text(slurm.job_script(module, config_path, launch, log_dir, label, WORKER_MODULE))
         cmd = ["bash", str(script)]
         logger.info("%s: %s, backend %s, logs %s", label, slurm.describe(launch, job_env), backend or "auto", log_dir)
+    elif direct(launch):
+        cmd, rank_env = build_direct_command(module, config_path, launch, log_dir)
+        job_env.update(rank_env)
+        logger.info("%s: one process, backend %s, logs %s", label, backend or "auto (nccl with CUDA, else gloo)",
+                    log_dir)
     else:
         cmd = build_command(module, config_path, launch, log_dir)
         logger.info("%s: torchrun %d node(s) x %d proc(s), backend %s, logs %s", label, launch.nnodes,
@@ -642,6 +665,9 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
                         break
                 time.sleep(_POLL_S)
             follower.pump(final=True)
+            if direct(launch) and proc.returncode < 0:  # killed by a signal: say so as torchrun's summary would
+                agent_log.write(f"Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
+                                f"  exitcode  : {proc.returncode}\n".encode())
     except BaseException as exc:
         if multi:
             multinode.finish(launch, job_number, ok=False)
@@ -698,7 +724,9 @@ __all__ = [
     "LaunchInterrupted",
     "RunDirBusy",
     "build_command",
+    "build_direct_command",
     "build_env",
+    "direct",
     "free_port",
     "run_torchrun",
     "terminate_tree",
