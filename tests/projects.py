@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import atexit
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+_EMPTY_STORE: list[Path] = []
 
 
-def copy_project(root: Path, *, raw: bool = True, params: dict[str, dict[str, Any]] | None = None) -> Path:
+def fresh_mlflow_db(path: Path) -> Path:
+    """A migrated, empty sqlite MLflow store at ``path`` (made once per process and copied: creating one costs
+    seconds of migrations and fsync, copying it does not)."""
+    if not _EMPTY_STORE:
+        from mlflow.tracking import MlflowClient
+
+        template = Path(tempfile.mkdtemp(prefix="mlflow-template-")) / "mlflow.db"
+        atexit.register(shutil.rmtree, template.parent, True)
+        MlflowClient(f"sqlite:///{template}").search_experiments()
+        _EMPTY_STORE.append(template)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(_EMPTY_STORE[0], path)
+    return path
+
+
+def copy_project(root: Path, *, raw: bool = True, params: dict[str, dict[str, Any]] | None = None,
+                 store: bool = True) -> Path:
     """``root`` becomes a project: pyproject.toml, conf/ (an empty conf/local), src/ (the package itself is installed;
-    Kedro only needs the directory) and, with ``raw``, the shipped data/01_raw. ``params``: ``{"<env>/<name>": {...}}``
-    written as ``conf/<env>/parameters_<name>.yml``."""
+    Kedro only needs the directory), with ``raw`` the shipped data/01_raw, with ``store`` an empty migrated MLflow
+    store at the project's default location (``mlflow.db``). ``params``: ``{"<env>/<name>": {...}}`` written as
+    ``conf/<env>/parameters_<name>.yml``."""
     (root / "src").mkdir(parents=True)
     shutil.copytree(REPO / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
     (root / "conf" / "local").mkdir()
@@ -22,6 +42,8 @@ def copy_project(root: Path, *, raw: bool = True, params: dict[str, dict[str, An
     (root / "conf" / "test").mkdir()
     (root / "conf" / "test" / "globals.yml").write_text("data_root: data\n")
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    if store:
+        fresh_mlflow_db(root / "mlflow.db")
     if raw:
         shutil.copytree(REPO / "data" / "01_raw", root / "data" / "01_raw")
     for where, values in (params or {}).items():

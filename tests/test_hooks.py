@@ -19,6 +19,7 @@ import mlflow
 import pytest
 from kedro.pipeline import Pipeline, node
 from mlflow.tracking import MlflowClient
+from projects import fresh_mlflow_db
 
 from align_pipeline.kedro.jobs_hook import JobsHook
 from align_pipeline.kedro.mlflow_hook import MlflowHook
@@ -30,22 +31,12 @@ pytestmark = pytest.mark.slow  # launches torchrun jobs or a KedroSession
 MLFLOW_VARS = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID")
 
 
-def fresh_mlflow_db(tmp_path_factory, path: Path) -> None:
-    """Copy a migrated, empty sqlite store to ``path`` (creating one costs seconds of fsync; copying does not)."""
-    template = tmp_path_factory.getbasetemp() / "mlflow-template" / "mlflow.db"
-    if not template.exists():
-        template.parent.mkdir(exist_ok=True)
-        MlflowClient(default_tracking_uri(template.parent)).search_experiments()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(template, path)
-
-
 @pytest.fixture
 def project(tmp_path, tmp_path_factory, monkeypatch):
     """A project dir with an empty store at the hook's default location; MLflow's globals restored afterwards."""
     for var in MLFLOW_VARS:
         monkeypatch.delenv(var, raising=False)
-    fresh_mlflow_db(tmp_path_factory, tmp_path / "mlflow.db")
+    fresh_mlflow_db(tmp_path / "mlflow.db")
     yield tmp_path
     while mlflow.active_run():
         mlflow.end_run()
@@ -329,7 +320,7 @@ def test_runs_left_open_by_an_interrupted_run_are_closed(project):
 
 def test_store_and_experiment_from_environment(project, tmp_path_factory, monkeypatch):
     other = project / "elsewhere" / "mlflow.db"
-    fresh_mlflow_db(tmp_path_factory, other)
+    fresh_mlflow_db(other)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", default_tracking_uri(other.parent))
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "custom")
     _drive(MlflowHook(), project, PIPELINE)

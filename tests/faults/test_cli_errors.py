@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow  # starts the kedro CLI
 
 @pytest.fixture
 def project(tmp_path):
-    return copy_project(tmp_path / "proj")
+    return copy_project(tmp_path / "proj", store=False)  # a refused run must create no store
 
 
 def _kedro(root: Path, *args: str) -> subprocess.CompletedProcess:

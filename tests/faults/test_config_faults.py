@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from projects import fresh_mlflow_db
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # a KedroSession
@@ -34,18 +35,8 @@ FAULTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def empty_store(tmp_path_factory) -> Path:
-    """A migrated, empty sqlite store (made once: creating one costs seconds, copying it does not)."""
-    from mlflow import MlflowClient
-
-    path = tmp_path_factory.mktemp("mlflow-store") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
-
-
 @pytest.fixture
-def project(tmp_path, monkeypatch, empty_store):
+def project(tmp_path, monkeypatch):
     """conf/ and pyproject.toml of the repository (no data: nothing may be read), an empty migrated sqlite store."""
     root = tmp_path / "proj"
     (root / "src").mkdir(parents=True)  # the package itself is installed; Kedro only needs the source dir to exist
@@ -57,7 +48,7 @@ def project(tmp_path, monkeypatch, empty_store):
     monkeypatch.chdir(root)
     for var in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID"):
         monkeypatch.delenv(var, raising=False)
-    shutil.copy(empty_store, root / "mlflow.db")  # "no run" below is read from a real store, not a missing file
+    fresh_mlflow_db(root / "mlflow.db")  # "no run" below is read from a real store, not a missing file
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test-config-faults")
     return root

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,9 +14,11 @@ from pathlib import Path
 import psutil
 import pytest
 from progress_trigger import acting_on_step
+from projects import fresh_mlflow_db
 
 from align_pipeline.config import LaunchConfig
 from align_pipeline.launch import LaunchError, LaunchInterrupted, build_command, build_env, run_torchrun
+from align_pipeline.launch.world import job_backend
 
 pytestmark = pytest.mark.slow  # launches torchrun jobs or a KedroSession
 
@@ -86,6 +87,9 @@ def test_job_environment(monkeypatch):
     assert env["NCCL_NVLS_ENABLE"] == "0"
     assert env["OMP_NUM_THREADS"] == "1"  # max(1, cores // 64)
     assert "MLFLOW_RUN_ID" not in env
+    # dist_backend auto: no backend for the ranks, not even one left in the launcher's own environment
+    monkeypatch.setenv("ALIGN_BACKEND", "nccl")
+    assert "ALIGN_BACKEND" not in build_env(LaunchConfig(), job_backend("auto"))
 
 
 # -- real torchrun ------------------------------------------------------------------------------------------------
@@ -97,8 +101,8 @@ def test_success_returns_result_streams_rank0_and_keeps_rank_logs(tmp_path, capl
 
     assert result["world_size"] == 2
     assert result["allreduced"] == 8.0  # 3 all-reduces of ones over 2 ranks
-    # dist_backend auto: the launcher sets no backend, each rank picks (gloo here: no CUDA)
-    assert result["env"] == {"OMP_NUM_THREADS": "1", "ALIGN_BACKEND": None, "NCCL_NVLS_ENABLE": "0", "TOY": "yes"}
+    # TWO asks for gloo (the legacy spelling launch.backend: gloo is dist_backend), so the launcher sets it
+    assert result["env"] == {"OMP_NUM_THREADS": "1", "ALIGN_BACKEND": "gloo", "NCCL_NVLS_ENABLE": "0", "TOY": "yes"}
     assert json.loads((tmp_path / "config.json").read_text())["run_dir"] == str(tmp_path.resolve())
 
     streamed = [r.getMessage() for r in caplog.records if r.name == "align_pipeline.launch"]
@@ -216,18 +220,14 @@ def test_a_one_process_job_runs_without_an_agent_its_store_on_loopback_and_dies_
     assert all(_gone(p) for p in alive), f"orphans left: {alive}"
 
 
-def test_job_logs_into_the_active_mlflow_run(tmp_path, tmp_path_factory, monkeypatch):
+def test_job_logs_into_the_active_mlflow_run(tmp_path, monkeypatch):
     """The launcher hands the active run to the job; rank 0 alone logs into it."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
     from align_pipeline.tracking import default_tracking_uri
 
-    template = tmp_path_factory.getbasetemp() / "mlflow-template" / "mlflow.db"  # a migrated empty store, copied:
-    if not template.exists():  # creating one costs seconds of fsync
-        template.parent.mkdir(exist_ok=True)
-        MlflowClient(default_tracking_uri(template.parent)).search_experiments()
-    shutil.copy(template, tmp_path / "mlflow.db")
+    fresh_mlflow_db(tmp_path / "mlflow.db")
     uri = default_tracking_uri(tmp_path)
     mlflow.set_tracking_uri(uri)
     try:

@@ -73,7 +73,7 @@ def test_hostile_paths_and_fields_stay_single_words_when_bash_runs_the_script(tm
     assert [f"--output={log_dir / 'torchrun.log'}"] in sbatch and ["--job-name=align-train_sft___x_"] in sbatch
     assert all(len(words) == 1 for words in sbatch)
     code = [line for line in lines if not line.startswith("#")]
-    assert code[:2] == ["set -euo pipefail", 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)']
+    assert code[:2] == ["set -euo pipefail", 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)']
     assert len(code) == 3 and code[2].startswith("srun ") and text.endswith("\n")  # one srun line
 
     # run by bash: srun gets exactly these words, and nothing ran

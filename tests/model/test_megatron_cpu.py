@@ -131,3 +131,32 @@ def test_inactive_when_cuda_is_available():
         """
     )
     assert "OK" in out
+
+
+def test_a_transformers_model_loaded_while_active_has_its_buffers(tmp_path):
+    """The export job checks an export with transformers in the process that built our model: the default-device
+    mode transformers loads under must still see the factories, or rotary inv_freq stays uninitialised memory."""
+    out = run_py(
+        f"""
+        import torch
+        from align_pipeline.train.core import megatron_cpu
+        assert megatron_cpu.activate()  # first: before anything has used a default-device mode
+        with torch.device("meta"):
+            assert torch.tensor([]).device.type == "meta" and torch.zeros(1).device.type == "meta"
+
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+        built = LlamaForCausalLM(config).eval()  # built directly: its buffers computed in __init__
+        built.save_pretrained({str(tmp_path)!r})
+        ids = torch.tensor([[1, 5, 7, 9, 30, 2]])
+        with torch.no_grad():
+            loaded = LlamaForCausalLM.from_pretrained({str(tmp_path)!r})  # built on meta, then filled
+            expected, got = built.model.rotary_emb.inv_freq, loaded.model.rotary_emb.inv_freq
+            assert torch.isfinite(expected).all() and torch.equal(expected, got), got
+            assert torch.equal(built(ids).logits, loaded(ids).logits)
+        print("OK")
+        """
+    )
+    assert "OK" in out

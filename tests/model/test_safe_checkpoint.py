@@ -68,9 +68,9 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _point_object_at(checkpoint: Path, blob: bytes) -> str:
+def _point_object_at(checkpoint: Path, blob: bytes) -> tuple[str, str]:
     """Point the first ``*._extra_state`` object of ``checkpoint`` at ``blob`` (appended to its ``.distcp`` file);
-    the ``.metadata`` stays legitimate. Returns that item's key."""
+    the ``.metadata`` stays legitimate. Returns that item's key and its shard file's name."""
     metadata = safe_pickle.load_metadata(checkpoint / ".metadata")
     index = next(i for i in metadata.storage_data if i.fqn.endswith("_extra_state") or "_extra_state/" in i.fqn)
     info = metadata.storage_data[index]
@@ -81,7 +81,7 @@ def _point_object_at(checkpoint: Path, blob: bytes) -> str:
     info.offset, info.length = offset, len(blob)
     with open(checkpoint / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
-    return index.fqn
+    return index.fqn, info.relative_path
 
 
 def _torch_saved(obj) -> bytes:
@@ -176,11 +176,11 @@ def test_init_from_a_crafted_object_in_the_shards_runs_nothing(base, tmp_path):
     _, _, model_dir = base
     crafted = _copy(model_dir, tmp_path / "crafted")
     marker = tmp_path / "pwned"
-    key = _point_object_at(crafted, _torch_saved([_Open(marker)]))
+    key, shard = _point_object_at(crafted, _torch_saved([_Open(marker)]))
     error = _job_refused(base, tmp_path, crafted)
     assert not marker.exists()
     head = str(error).splitlines()[0]
-    assert f"checkpoint {crafted}/__0_0.distcp (item {key}): refused to unpickle io.open" in head, head
+    assert f"checkpoint {crafted}/{shard} (item {key}): refused to unpickle io.open" in head, head
 
 
 def test_init_from_pickled_transformer_engine_state_is_refused(base, tmp_path):

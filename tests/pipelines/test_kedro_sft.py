@@ -114,7 +114,7 @@ def _report_policies(project: Path) -> tuple[set[str], dict]:
 def test_dpo_flow_runs_on_a_fresh_project_then_a_beta_sweep_compares(project):
     """The composition produces everything its evaluation needs (nothing from another flow) and no reward model; its
     evaluation promotes DPO through the gates. Then `align-pipeline sweep` runs DPO + its evaluation at two betas
-    and the comparison report shows both betas and the accuracy delta."""
+    and the comparison report shows both betas and the accuracy delta (beta 0.1 is the flow's own DPO: reused)."""
     _fast_flows(project)
     fast = yaml.safe_load((project / "conf" / "test" / "parameters_fast.yml").read_text())
     fast["evaluation"]["gate"] = {"min_gain_over_sft": -1.0, "max_kl_to_reference": 1.0e6}
@@ -132,16 +132,16 @@ def test_dpo_flow_runs_on_a_fresh_project_then_a_beta_sweep_compares(project):
 
     env = {k: v for k, v in os.environ.items() if k != "KEDRO_ENV"}
     sweep = subprocess.run([sys.executable, "-m", "align_pipeline", "sweep", "--pipelines", "dpo_evaluation",
-                            "--grid", "dpo.loss.beta=0.03,0.3", "--env", "test", "--out", str(project / "cmp")],
+                            "--grid", "dpo.loss.beta=0.1,0.3", "--env", "test", "--out", str(project / "cmp")],
                            cwd=project, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
-    assert "1/2: --params dpo.loss.beta=0.03" in sweep.stdout and "2/2: --params dpo.loss.beta=0.3" in sweep.stdout
+    assert "1/2: --params dpo.loss.beta=0.1" in sweep.stdout and "2/2: --params dpo.loss.beta=0.3" in sweep.stdout
     summary = json.loads((project / "cmp" / "comparison.json").read_text())
-    assert [e["label"] for e in summary["experiments"]] == ["dpo.loss.beta=0.03", "dpo.loss.beta=0.3"]
+    assert [e["label"] for e in summary["experiments"]] == ["dpo.loss.beta=0.1", "dpo.loss.beta=0.3"]
     accuracy = summary["evaluation"]["dpo/accuracy"]
     assert len(accuracy) == 2 and all(a is not None for a in accuracy)
     text = (project / "cmp" / "report.md").read_text()
-    assert "| dpo.loss.beta | 0.03 | 0.3 |" in text
+    assert "| dpo.loss.beta | 0.1 | 0.3 |" in text
     assert f"| dpo/accuracy | {accuracy[0]:.4g} | {accuracy[1]:.4g} | {accuracy[1] - accuracy[0]:+.4g} |" in text
     assert (project / "cmp" / "train_dpo__loss.png").is_file()
     assert "| evaluate_policies: promoted | dpo_policy@" in text  # the gates of each point's evaluation

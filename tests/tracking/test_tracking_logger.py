@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import sys
 
 import mlflow
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from projects import fresh_mlflow_db
 
 from align_pipeline.tracking import (
     RunLogger,
@@ -22,21 +22,12 @@ from align_pipeline.tracking import (
 )
 
 
-def fresh_mlflow_db(tmp_path_factory, path):
-    """Copy a migrated, empty sqlite store to ``path`` (creating one costs seconds of fsync; copying does not)."""
-    template = tmp_path_factory.getbasetemp() / "mlflow-template" / "mlflow.db"
-    if not template.exists():
-        template.parent.mkdir(exist_ok=True)
-        MlflowClient(default_tracking_uri(template.parent)).search_experiments()
-    shutil.copy(template, path)
-
-
 @pytest.fixture
 def store(tmp_path, tmp_path_factory, monkeypatch):
     """A fresh sqlite store, an experiment and a run in it (not active); MLflow's globals restored afterwards."""
     for var in ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
         monkeypatch.delenv(var, raising=False)
-    fresh_mlflow_db(tmp_path_factory, tmp_path / "mlflow.db")
+    fresh_mlflow_db(tmp_path / "mlflow.db")
     uri = default_tracking_uri(tmp_path)
     client = MlflowClient(uri)
     experiment_id = client.create_experiment("tracking-test", artifact_location=(tmp_path / "mlruns").as_uri())

@@ -10,8 +10,9 @@ import socket
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
+from projects import fresh_mlflow_db
 
-from align_pipeline.__main__ import mlflow_log_command
+from align_pipeline.kedro.commands import mlflow_log_command
 from align_pipeline.tracking import (
     METRICS_FILE,
     RunLogger,
@@ -38,11 +39,7 @@ def store(tmp_path, tmp_path_factory, monkeypatch):
     """A fresh sqlite store (copied from a migrated template) and its client; MLflow's globals restored afterwards."""
     for var in (*MLFLOW_VARS, "ALIGN_METRICS_FILE"):
         monkeypatch.delenv(var, raising=False)
-    template = tmp_path_factory.getbasetemp() / "mlflow-template" / "mlflow.db"
-    if not template.exists():
-        template.parent.mkdir(exist_ok=True)
-        MlflowClient(default_tracking_uri(template.parent)).search_experiments()
-    shutil.copy(template, tmp_path / "mlflow.db")
+    fresh_mlflow_db(tmp_path / "mlflow.db")
     bounded.reset()  # tracking is off per process for a store that went away: each test is a new process
     yield MlflowClient(default_tracking_uri(tmp_path))
     bounded.reset()

@@ -125,8 +125,9 @@ def _report(summary: dict, checkpoint: str, hf_dir: str, tol: float | None) -> i
     if tol is None:
         print(json.dumps(summary))
         return 0
+    from align_pipeline.launch.model_jobs import check_parity
     from align_pipeline.launch.torchrun import LaunchError
-    from align_pipeline.model.hf_export import HFExportError, check_parity
+    from align_pipeline.model.hf_export import HFExportError
 
     work = tempfile.mkdtemp(prefix="align-check-")
     try:
@@ -163,9 +164,9 @@ def import_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from align_pipeline.errors import UserError
+    from align_pipeline.launch.model_jobs import import_hf
     from align_pipeline.launch.torchrun import LaunchError
     from align_pipeline.model.hf import HFConversionError
-    from align_pipeline.model.hf_export import import_hf
 
     t0 = time.perf_counter()
     try:

@@ -89,7 +89,7 @@ def job_script(module: str, config_path: Path, launch: LaunchConfig, log_dir: Pa
         f"# {name}: written by align_pipeline.launch.slurm; submit with sbatch (or run inside an allocation)",
         *(f"#SBATCH {shlex.quote(option)}" for option in options),
         "set -euo pipefail",
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',  # sed reads all: no SIGPIPE under pipefail
         command,
         "",
     ])  # fmt: skip

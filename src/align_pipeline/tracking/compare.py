@@ -165,11 +165,14 @@ def _linked(e: Experiment, runs) -> dict[str, Any]:
 
 
 def _label(experiments: list[Experiment]) -> None:
-    """Each experiment's label: the params that differ between the experiments (up to three), else its version."""
+    """Each experiment's label: the params that differ between the experiments (up to three; those every experiment
+    logged first: a reused stage logs no ``world_size`` or ``resumed_from_step``), else its version."""
     differing = params_diff(experiments)
+    everywhere = [k for k, values in differing.items() if "—" not in values]
+    keys = everywhere or list(differing)
     for i, e in enumerate(experiments):
         params = e.params()
-        parts = [f"{k}={params.get(k, '—')}" for k in list(differing)[:3]]
+        parts = [f"{k}={params.get(k, '—')}" for k in keys[:3]]
         version = next(iter(e.outputs.values()), None) or e.parent.data.tags.get("kedro.run_id", e.run_id[:8])
         e.label = ", ".join(parts) if parts else f"{chr(65 + i) if i < 26 else i} @{version}"
 

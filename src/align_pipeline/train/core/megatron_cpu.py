@@ -212,7 +212,13 @@ def activate() -> bool:
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.empty_cache = lambda: None
 
-    # 3. Literal device="cuda" factories and Tensor.cuda().
+    # 3. Literal device="cuda" factories and Tensor.cuda(). torch's default-device mode (``with torch.device(...)``,
+    # which transformers builds models under) recognises a factory by identity in a set it caches on first use: fill
+    # the cache with the real functions first, which our wrappers call, or that mode would no longer see them
+    # (transformers would then leave a model's rotary buffers uninitialised).
+    from torch.utils import _device
+
+    _device._device_constructors()
     for name in ("zeros", "ones", "empty", "full", "tensor", "arange"):
         setattr(torch, name, _cpu_factory(getattr(torch, name), name))
 
