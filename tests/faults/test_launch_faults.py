@@ -83,6 +83,19 @@ def test_sigkilled_agent_takes_its_ranks_and_their_children_along(tmp_path):
     assert "is gone: stopping this rank" in (tmp_path / "logs" / "rank1.log").read_text()
 
 
+def test_a_rank_that_fails_takes_the_child_it_forked_along(tmp_path):
+    """A rank that raises while a process it forked (a checkpoint writer, a data worker) still runs: the job fails
+    and that process does not outlive it, whichever way the rank ended."""
+    with pytest.raises(LaunchError, match="boom from rank 1"):
+        run_torchrun("toy_entry", {"mode": "fail", "fail_rank": 1, "fork_child": True, "fail_after_fork": True},
+                     TWO, tmp_path, env=TOY_ENV)
+    child = int((tmp_path / "child1").read_text())
+    deadline = time.monotonic() + 30  # gone at once; the loop ends as soon as it is
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(child), f"rank 1's child {child} outlived the job"
+
+
 def test_a_second_job_in_the_same_run_directory_is_refused_naming_the_holder(tmp_path):
     """Item 1: two jobs never train in one run directory; the second one's error names the first one's PID."""
     job = _Job(tmp_path, HANG)

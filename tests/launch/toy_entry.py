@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc-per-node 2 -m toy_entry --config cfg.json
 
 config: run_dir, mode ("ok" | "fail" | "hang" | "no_result" | "fill"), steps, fail_rank, fork_child (each rank forks
-a child that sleeps, as a checkpoint writer would, and names it in ``child<rank>``). ``fill`` writes to the run
+a child that sleeps, as a checkpoint writer would, and names it in ``child<rank>``), fail_after_fork (the failing
+rank forks its child first). ``fill`` writes to the run
 directory until the disk is full.
 """
 
@@ -31,7 +32,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     (run_dir / f"pid{rank}").write_text(str(os.getpid()))
     print(f"rank {rank} on stderr", file=sys.stderr)
-    if mode == "fail" and rank == cfg.get("fail_rank", 1):
+    failing = mode == "fail" and rank == cfg.get("fail_rank", 1)
+    if failing and not cfg.get("fail_after_fork"):
         raise ValueError(f"boom from rank {rank}")
     if cfg.get("fork_child"):
         child = os.fork()
@@ -39,6 +41,8 @@ def main() -> None:
             while True:
                 time.sleep(1)
         (run_dir / f"child{rank}").write_text(str(child))
+    if failing:
+        raise ValueError(f"boom from rank {rank}")
     if mode == "fill":
         with open(run_dir / f"filler{rank}", "wb") as f:
             while True:

@@ -99,6 +99,29 @@ def _die_with_agent(agent_pid: int, interval: float = WATCHDOG_INTERVAL_S) -> No
     threading.Thread(target=watch, name="align-die-with-agent", daemon=True).start()
 
 
+def _stop_what_we_forked() -> None:
+    """Kill the processes this rank started and left running (a checkpoint writer, a data worker): they are in its
+    process group (torchrun and the direct launch start each rank in a session of its own). Nothing of a job
+    outlives its rank, however the rank ends; the agent may already be gone and cannot do it."""
+    me = os.getpid()
+    if os.getpgrp() != me:  # not a group of our own: it holds our parent too, leave it alone
+        return
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            if int(stat[stat.rindex(b")") + 2 :].split()[2]) == me:  # fields after the name: state, ppid, pgrp
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue
+
+
 def _host_store():
     """The rendezvous store of a one-process job, listening on ``MASTER_ADDR`` only; the rank joins it as a client
     (``TORCHELASTIC_USE_AGENT_STORE``), as torchrun's ranks join their agent's."""
@@ -160,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as exc:  # KeyboardInterrupt & co: keep Python's own exit behaviour
         _write_exit(log_dir, rank, 1, f"{type(exc).__name__}: {exc}")
         raise
+    finally:
+        _stop_what_we_forked()
 
 
 if __name__ == "__main__":
