@@ -48,3 +48,40 @@ def test_unknown_names_are_one_line_with_the_closest_ones(registry, pipelines, t
     with pytest.raises(UserError) as excinfo:
         _check(registry, pipelines, tags, **nodes)
     assert str(excinfo.value).startswith(message) and "\n" not in str(excinfo.value)
+
+
+def _align(*args: str, cwd=None):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KEDRO_DISABLE_TELEMETRY": "true"}
+    return subprocess.run([sys.executable, "-m", "align_pipeline", *args], capture_output=True, text=True,
+                          check=False, env=env, cwd=cwd, timeout=300)
+
+
+def test_top_level_help_lists_every_command(tmp_path):
+    from align_pipeline.__main__ import COMMANDS
+    from align_pipeline.kedro.commands import COMMANDS as functions
+
+    assert set(COMMANDS) == set(functions)  # one list of commands, each described
+    done = _align("--help", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    listed = [line.split()[0] for line in done.stdout.split("commands:\n", 1)[1].splitlines() if line.startswith("  ")]
+    assert listed == list(COMMANDS)
+    assert "align-pipeline run --help" in done.stdout
+
+
+def test_a_mistyped_command_gets_one_line_with_the_closest_command(tmp_path):
+    done = _align("comapre", "--last", "2", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        ("align-pipeline: unknown command 'comapre' (did you mean 'compare'?); commands: export, import, compare, "
+        "sweep, mlflow-log, worker, gc (--help lists them)")]
+    assert done.stdout == ""
+
+
+def test_run_is_kedro_run(tmp_path):
+    done = _align("run", "--help", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "--pipelines" in done.stdout and "--params" in done.stdout

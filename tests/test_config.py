@@ -102,6 +102,28 @@ def test_shipped_environments_load_and_validate(env):
         assert params["sft"]["init_from"] == params["data_prep"]["tokenizer"]["hf_model_dir"] == "/models/x"
 
 
+def test_hf_example_is_the_gpu_env_for_an_hf_model():
+    """Kedro takes one env: `-e hf_example` resolves every GPU setting (parallel, launch, attention backend) to what
+    `-e gpu` does, so an HF model on GPUs runs as the gpu env would; neither names the legacy ``launch.backend: nccl``
+    (``launch.dist_backend``; auto, hf_example's, is nccl with CUDA)."""
+    import yaml
+    from kedro.config import OmegaConfigLoader
+
+    from align_pipeline.settings import CONFIG_LOADER_ARGS
+
+    def params(env):
+        return OmegaConfigLoader(str(REPO / "conf"), env=env, runtime_params={"hf_model_dir": "/models/x"},
+                                 **CONFIG_LOADER_ARGS)["parameters"]
+
+    gpu, hf = params("gpu"), params("hf_example")
+    assert hf["parallel"] == gpu["parallel"]
+    assert {**hf["launch"], "dist_backend": "nccl"} == gpu["launch"] and hf["launch"]["dist_backend"] == "auto"
+    assert hf["model"]["attention_backend"] == gpu["model"]["attention_backend"]
+    for env in ("gpu", "hf_example"):
+        own = yaml.safe_load((REPO / "conf" / env / "parameters.yml").read_text())
+        assert own["launch"].get("backend") in (None, "local", "slurm"), env
+
+
 # ---- ranges: each section's validate(), the error names the key as the parameters spell it ----
 
 RANGES = [  # (section, dataclass, a failing value, a passing value, the message of the failing one)

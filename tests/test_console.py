@@ -10,7 +10,7 @@ import sys
 
 from rich.console import Console
 
-from align_pipeline.kedro.console import plain_logging_when_piped
+from align_pipeline.kedro.console import ParameterLoads, plain_logging_when_piped
 from align_pipeline.launch.env import KNOWN_WARNINGS, job_warning_filters
 
 
@@ -51,3 +51,15 @@ def test_jobs_ignore_the_known_warnings_and_keep_the_users_filters():
                           capture_output=True, text=True, check=True)
     assert "something else" in proc.stderr
     assert not any(m in proc.stderr for m in KNOWN_WARNINGS), proc.stderr
+
+
+def test_parameter_loads_are_dropped_and_dataset_loads_kept():
+    catalog = logging.getLogger("kedro.io.data_catalog")
+    records = [catalog.makeRecord(catalog.name, logging.INFO, __file__, 1, "Loading data from %s (%s)...", (name, kind),
+                                  None) for name, kind in [("params:dpo", "MemoryDataset"),
+                                                           ("parameters", "MemoryDataset"),
+                                                           ("sft_policy", "CheckpointDataset")]]
+    records.append(catalog.makeRecord(catalog.name, logging.INFO, __file__, 1, "Saving data to %s (%s)...",
+                                      ("params:x", "MemoryDataset"), None))
+    kept = [r.args[0] for r in records if ParameterLoads().filter(r)]
+    assert kept == ["sft_policy", "params:x"]

@@ -1,7 +1,8 @@
 """``align-pipeline`` / ``python -m align_pipeline``: ``kedro run`` for this project, plus commands for users outside
 Kedro.
 
-    align-pipeline [kedro run options]                       # the pipeline, as `kedro run`
+    align-pipeline [kedro run options]                       # the pipeline, as `kedro run` (also: `run ...`)
+    align-pipeline --help                                    # the commands
     align-pipeline export CHECKPOINT_DIR HF_DIR [--tokenizer DIR] [--dtype float32|bfloat16|float16] [--check]
     align-pipeline export LORA_CHECKPOINT_DIR PEFT_DIR --peft [--base-model BASE_HF_DIR]
     align-pipeline import HF_DIR CHECKPOINT_DIR [--tp N] [--pp N] [--seq-length N] [--check]
@@ -16,15 +17,53 @@ import os
 import sys
 from pathlib import Path
 
-COMMANDS = ("export", "import", "mlflow-log", "compare", "sweep", "worker", "gc")
-"""The commands (:mod:`align_pipeline.kedro.commands`); anything else goes to ``kedro run``."""
+COMMANDS = {
+    "export": "a checkpoint -> a Hugging Face directory (or a PEFT adapter); --check verifies it",
+    "import": "a Hugging Face directory -> a checkpoint any stage can start from",
+    "compare": "a report over kedro runs: params, metrics, curves, lineage (logged to MLflow)",
+    "sweep": "one kedro run per grid point, then compare over them",
+    "mlflow-log": "log a run directory's metrics and checkpoint to MLflow after the fact",
+    "worker": "join node 0's multi-node run from another node",
+    "gc": "remove the stored versions retention does not keep",
+}
+"""The commands (:mod:`align_pipeline.kedro.commands`) and one line on each; options go to ``kedro run``."""
+
+
+def usage() -> str:
+    """``align-pipeline --help``: the commands, then how the pipeline itself runs."""
+    width = max(map(len, COMMANDS))
+    lines = ["usage: align-pipeline [KEDRO RUN OPTIONS]      run the pipelines (as `kedro run`)",
+             "       align-pipeline COMMAND [ARGS]           one of the commands below", "", "commands:"]
+    lines += [f"  {name:{width}}  {text}" for name, text in COMMANDS.items()]
+    lines += ["", "`align-pipeline COMMAND --help` describes a command; `align-pipeline run --help` lists the kedro run",
+              "options (--pipelines, --params, --env, --nodes, ...)."]
+    return "\n".join(lines)
+
+
+def unknown_command(name: str) -> str:
+    """The one line for a first argument that is neither a command nor an option."""
+    import difflib
+
+    close = difflib.get_close_matches(name, [*COMMANDS, "run"], n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"align-pipeline: unknown command {name!r}{hint}; commands: {', '.join(COMMANDS)} (--help lists them)"
 
 
 def main(*args, **kwargs):
-    if not args and len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
-        from align_pipeline.kedro.commands import COMMANDS as commands
+    if not args and len(sys.argv) > 1:
+        first = sys.argv[1]
+        if first in COMMANDS:
+            from align_pipeline.kedro.commands import COMMANDS as commands
 
-        sys.exit(commands[sys.argv[1]](sys.argv[2:]))
+            sys.exit(commands[first](sys.argv[2:]))
+        if first in ("-h", "--help", "help"):
+            print(usage())
+            sys.exit(0)
+        if first == "run":  # `align-pipeline run ...` is `kedro run ...`, as the usage says
+            sys.argv = [sys.argv[0], *sys.argv[2:]]
+        elif not first.startswith("-"):  # kedro run takes no positional argument: a mistyped command
+            print(unknown_command(first), file=sys.stderr)
+            sys.exit(2)
 
     from kedro.framework.cli.utils import find_run_command
     from kedro.framework.project import configure_project

@@ -123,6 +123,10 @@ def _check_run_options(kwargs: dict[str, Any]) -> None:
 
 
 def _run(traceback: bool, **kwargs: Any) -> Any:
+    from align_pipeline.kedro.console import plain_logging_when_piped, quiet_parameter_loads
+
+    plain_logging_when_piped()  # before the session's first record (the MLflow hook repeats it for API sessions)
+    quiet_parameter_loads()
     traceback = traceback or os.environ.get("ALIGN_TRACEBACK", "") not in ("", "0")
     quiet = _DropNodeErrorLog()
     node_logger = logging.getLogger("kedro.pipeline.node")

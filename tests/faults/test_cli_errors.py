@@ -115,3 +115,24 @@ def test_lone_surrogate_in_the_data_is_refused_naming_file_line_and_field(projec
     sft.write_text("\n".join(lines) + "\n")
     done = _kedro(project, "--pipelines", "data_prep")
     _one_error(done, 'data/01_raw/sft.jsonl line 7: field "output": invalid Unicode (lone surrogate U+D800)')
+
+
+def test_a_sweep_checks_every_point_before_running_any(project):
+    """`align-pipeline sweep` resolves and validates each grid point first: bad values and unknown keys are named
+    point by point, exit 2, and nothing ran (no data prepared, no store, no run directory)."""
+    env = {**os.environ, "KEDRO_DISABLE_TELEMETRY": "true"}
+    done = subprocess.run([sys.executable, "-m", "align_pipeline", "sweep", "--pipelines", "dpo", "--grid",
+                           "dpo.loss.beta=0.1,-3,abc", "--params", "dpo.training.train_steps=2"],
+                          cwd=project, env=env, capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        "align-pipeline sweep: point 2/3 (dpo.loss.beta=-3): params:dpo.loss.beta=-3.0 must be > 0",
+        "align-pipeline sweep: point 3/3 (dpo.loss.beta=abc): params:dpo.loss.beta: expected a number, got 'abc'",
+        "align-pipeline sweep: 2 of 3 points fail their parameter checks; nothing was run",
+    ]
+    assert "[sweep" not in done.stdout  # no point started
+    assert not (project / "mlflow.db").exists() and not list((project / "data").glob("0[2-8]_*/*"))
+    typo = subprocess.run([sys.executable, "-m", "align_pipeline", "sweep", "--pipelines", "dpo", "--grid",
+                           "dpo.loss.betta=0.1"], cwd=project, env=env, capture_output=True, text=True, check=False,
+                          timeout=300)
+    assert typo.returncode == 2 and "params:dpo.loss: unknown key(s) ['betta']" in typo.stderr

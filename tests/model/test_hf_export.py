@@ -243,6 +243,21 @@ def test_cli_export(trained):
     refused = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["llama"], str(out)],
                              capture_output=True, text=True, check=False)
     assert refused.returncode == 2 and "exists; export into a new directory" in refused.stderr
+    assert "--overwrite" in refused.stderr
+    # --overwrite: the float32 export takes the bfloat16 one's place, nothing left beside it
+    replaced = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["qwen2"], str(out),
+                               "--overwrite"], capture_output=True, text=True, check=False)
+    assert replaced.returncode == 0, replaced.stderr
+    assert json.loads(replaced.stdout.strip().splitlines()[-1])["out_dir"] == str(out)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []
+    # ... but never over a directory that is not an export
+    (root / "notes").mkdir()
+    (root / "notes" / "todo.txt").write_text("mine")
+    kept = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["qwen2"], str(root / "notes"),
+                           "--overwrite"], capture_output=True, text=True, check=False)
+    assert kept.returncode == 2 and "is not a Hugging Face export" in kept.stderr
+    assert (root / "notes" / "todo.txt").read_text() == "mine"
 
 
 def test_checkpoints_use_transformer_engine_tensor_names(trained, imported):

@@ -149,6 +149,9 @@ def test_dpo_flow_runs_on_a_fresh_project_then_a_beta_sweep_compares(project):
     out = sweep.stdout + sweep.stderr
     assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d INFO align_pipeline\.launch: \[dpo\] step 4/4 \| loss", out, re.MULTILINE)
     assert "full scope is deprecated" not in out and "ShardedTensor" not in out and "[dpo] [dpo]" not in out
+    assert "Loading data from params:" not in out and "as logging configuration" not in out  # conf/logging.yml
+    first = sweep.stdout.splitlines()[1]  # after the sweep's own "1/2: --params ..." line: kedro's first record
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (INFO|WARNING) ", first), sweep.stdout[:500]
     assert re.search(r"train_dpo: stored dpo_policy -> \S+/data/06_models/dpo_policy/[^/]+/dpo_policy$", out, re.MULTILINE)
     # the rank logs outlive the run directory, as artifacts of the node's MLflow run
     import mlflow

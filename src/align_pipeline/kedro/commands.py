@@ -37,18 +37,31 @@ def export_command(argv: list[str]) -> int:
                         "adapter_model.safetensors) for the HF export of its base model, instead of the merged model")
     parser.add_argument("--base-model", default=None,
                         help="--peft: base_model_name_or_path to record (default: the base checkpoint's path)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing export at HF_DIR (as save_pretrained does): the new one is written "
+                        "beside it and takes its place only when complete; a directory that is not an HF export "
+                        "(no config.json / adapter_config.json) is refused")
     args = parser.parse_args(argv)
 
     from align_pipeline.errors import UserError
     from align_pipeline.launch import model_jobs
     from align_pipeline.model.hf_export import export_hf, export_peft, progress_printer
 
+    final = None  # --overwrite: the existing export, replaced once the new one (written beside it) is complete
+    if args.overwrite and os.path.lexists(args.hf_dir):
+        try:
+            final, args.hf_dir = args.hf_dir, _staging_dir(args.hf_dir)
+        except UserError as exc:
+            print(f"align-pipeline export: {exc}", file=sys.stderr)
+            return 2
     if args.peft:
         try:
             summary = export_peft(args.checkpoint, args.hf_dir, base_model=args.base_model)
         except (UserError, FileNotFoundError) as exc:  # HFExportError and a refused checkpoint are UserErrors
             print(f"align-pipeline export: {exc}", file=sys.stderr)
             return 2
+        if final is not None:
+            summary["out_dir"] = args.hf_dir = _replace(final, args.hf_dir)
         print(f"align-pipeline export: PEFT adapter ({', '.join(summary['target_modules'])}; {summary['params']:,} "
               f"parameters) -> {summary['out_dir']}; load it onto the HF export of {summary['base_model'] or 'the base'}"
               " with peft.PeftModel.from_pretrained")
@@ -63,6 +76,8 @@ def export_command(argv: list[str]) -> int:
     except (UserError, FileNotFoundError) as exc:
         print(f"align-pipeline export: {exc}", file=sys.stderr)
         return 2
+    if final is not None:
+        summary["out_dir"] = args.hf_dir = _replace(final, args.hf_dir)
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     summary["peak_rss_gib"] = _peak_rss_gib()
     tol = args.tol if args.tol is not None else (1e-4 if args.dtype == "float32" else 5e-2)
@@ -70,6 +85,37 @@ def export_command(argv: list[str]) -> int:
         print(json.dumps(summary))
         return 0
     return _check_export(summary, args.checkpoint, args.hf_dir, tol)
+
+
+def _staging_dir(existing: str) -> str:
+    """Where ``export --overwrite`` writes before replacing ``existing`` (an HF export, or an empty directory)."""
+    from align_pipeline.errors import UserError
+
+    path = Path(existing)
+    if path.is_symlink() or not path.is_dir():
+        raise UserError(f"{existing} exists and is not a directory; --overwrite replaces an export directory only")
+    markers = ("config.json", "adapter_config.json")
+    if any(path.iterdir()) and not any((path / m).is_file() for m in markers):
+        raise UserError(f"{existing} is not a Hugging Face export (no config.json or adapter_config.json); "
+                        "--overwrite leaves it alone: remove it or choose another directory")
+    staging = path.parent / f".overwrite-{path.name}"
+    if staging.exists():  # a previous --overwrite that was stopped
+        import shutil
+
+        shutil.rmtree(staging)
+    return str(staging)
+
+
+def _replace(final: str, staging: str) -> str:
+    """The complete export at ``staging`` takes the place of ``final``: the old one is renamed aside, then removed."""
+    import shutil
+
+    old = Path(final).parent / f".replaced-{Path(final).name}"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(final, old)
+    os.replace(staging, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return str(Path(final))
 
 
 def _check_export(summary: dict, checkpoint: str, hf_dir: str, tol: float) -> int:

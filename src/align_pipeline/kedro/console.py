@@ -1,4 +1,10 @@
-"""What ``kedro run`` prints: one plain log record per line when the output is not a terminal.
+"""What ``kedro run`` prints: one plain log record per line when the output is not a terminal, and no line per
+parameter Kedro hands a node.
+
+:func:`quiet_parameter_loads` drops Kedro's ``Loading data from params:... (MemoryDataset)...`` records (about 40 % of
+a default run's console; loads of datasets stay). ``conf/logging.yml`` (Kedro reads it for any run in the project
+directory) is Kedro's rich configuration with its "Using ... as logging configuration" line kept out: Kedro admits
+only its own and the ``logging`` module's handler classes there, so the plain switch below stays in the hook.
 
 Kedro's default logging handler (rich) lays records out for a terminal; writing to a file or a pipe it still wraps
 them at 80 columns, so ``grep "iter 170/300" run.log`` misses lines and a traceback is cut into pieces. When the
@@ -40,4 +46,21 @@ def plain_logging_when_piped(logger: logging.Logger | None = None) -> int:
     return replaced
 
 
-__all__ = ["plain_logging_when_piped"]
+class ParameterLoads(logging.Filter):
+    """Drops Kedro's ``Loading data from params:<name> (MemoryDataset)...`` records; loads of datasets stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != "kedro.io.data_catalog" or not str(record.msg).startswith("Loading data from"):
+            return True
+        name = str(record.args[0]) if record.args else ""
+        return not (name.startswith("params:") or name == "parameters")
+
+
+def quiet_parameter_loads() -> None:
+    """Install :class:`ParameterLoads` on Kedro's catalog logger (once)."""
+    catalog = logging.getLogger("kedro.io.data_catalog")
+    if not any(isinstance(f, ParameterLoads) for f in catalog.filters):
+        catalog.addFilter(ParameterLoads())
+
+
+__all__ = ["ParameterLoads", "plain_logging_when_piped", "quiet_parameter_loads"]

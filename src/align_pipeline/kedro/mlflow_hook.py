@@ -36,7 +36,7 @@ from kedro.framework.hooks import hook_impl
 
 from align_pipeline.datasets.checkpoint import HFModelDataset
 from align_pipeline.evaluation.gates import GateFailed
-from align_pipeline.kedro.console import plain_logging_when_piped
+from align_pipeline.kedro.console import plain_logging_when_piped, quiet_parameter_loads
 from align_pipeline.kedro.jobs_hook import NodeOutputs
 from align_pipeline.kedro.model_registry import register
 from align_pipeline.kedro.run_tags import input_lineage, is_checkpoint, join, overrides_for, run_label, runner_name
@@ -129,6 +129,7 @@ class MlflowHook:
         """Point MLflow at the project's store and experiment; export ``MLFLOW_TRACKING_URI`` for torchrun jobs. Also
         switch Kedro's console logging to one plain line per record when the output is not a terminal."""
         plain_logging_when_piped()
+        quiet_parameter_loads()
         self.store.enabled = False
         with self.store.guard("after_context_created"):
             self._project_path = Path(context.project_path)

@@ -6,7 +6,9 @@ report over them (:mod:`align_pipeline.tracking.compare`).
 Each point runs ``python -m align_pipeline --pipelines ... --params <point>`` in the working directory (the project),
 with ``ALIGN_SWEEP`` / ``ALIGN_SWEEP_POINT`` in its environment: the MLflow hook tags the kedro run's parent run with
 them (``align.sweep``, ``align.sweep.point``), and the report compares the runs of this sweep. A failing point is
-reported and the sweep goes on; the exit code is then 1. Ctrl-C stops the sweep.
+reported and the sweep goes on; the exit code is then 1. Ctrl-C stops the sweep. Before the first point runs, every
+point's parameters are resolved and validated (:func:`check_points`): one bad value stops the sweep with exit 2,
+naming each failing point, before anything is trained.
 """
 
 from __future__ import annotations
@@ -32,6 +34,39 @@ def grid_points(grids: list[str]) -> list[dict[str, str]]:
             raise ValueError(f"--grid {grid!r}: expected KEY=VALUE[,VALUE...], e.g. dpo.loss.beta=0.03,0.1,0.3")
         axes.append([(key.strip(), v) for v in items])
     return [dict(point) for point in itertools.product(*axes)]
+
+
+def check_points(pipelines: str, points: list[dict[str, str]], shared: str | None, env: str | None,
+                 project: Path) -> list[str]:
+    """Resolve each point's parameters as its ``kedro run`` will (conf/base, the env, ``shared`` and the point as
+    runtime params) and validate every section the pipelines read; one line per point that fails. An unknown
+    pipeline name raises :class:`align_pipeline.errors.UserError`. Nothing is launched."""
+    from kedro.pipeline import Pipeline
+    from omegaconf import OmegaConf
+
+    from align_pipeline.cli import check_selection
+    from align_pipeline.errors import UserError
+    from align_pipeline.kedro.params_hook import validate_params
+    from align_pipeline.pipeline_registry import register_pipelines
+    from align_pipeline.settings import CONFIG_LOADER_ARGS, CONFIG_LOADER_CLASS
+
+    registry = register_pipelines()
+    names = [name.strip() for name in pipelines.split(",") if name.strip()]
+    check_selection(registry, names, {}, [])
+    pipeline = sum((registry[name] for name in names), Pipeline([]))
+    used = {name.split(":", 1)[1].split(".", 1)[0] for node in pipeline.nodes for name in node.inputs
+            if name.startswith("params:")}  # fmt: skip
+    problems = []
+    for i, point in enumerate(points, 1):
+        items = [*(item for item in (shared or "").split(",") if item.strip()), *(f"{k}={v}" for k, v in point.items())]
+        label = ",".join(f"{k}={v}" for k, v in point.items())
+        try:
+            runtime = OmegaConf.to_container(OmegaConf.from_dotlist(items))
+            loader = CONFIG_LOADER_CLASS(str(project / "conf"), env=env, runtime_params=runtime, **CONFIG_LOADER_ARGS)
+            validate_params(loader["parameters"], used)
+        except (UserError, ValueError) as exc:  # ConfigError is both
+            problems.append(f"point {i}/{len(points)} ({label}): {exc}")
+    return problems
 
 
 def main(argv: list[str], store_args=None) -> int:
@@ -63,6 +98,19 @@ def main(argv: list[str], store_args=None) -> int:
         points = grid_points(args.grid)
     except ValueError as exc:
         parser.error(str(exc))
+    from align_pipeline.errors import UserError
+
+    try:  # every point is checked before the first one runs: a typo in the last value costs nothing
+        problems = check_points(args.pipelines, points, args.params, args.env, Path.cwd())
+    except UserError as exc:
+        print(f"align-pipeline sweep: {exc}", file=sys.stderr)
+        return 2
+    if problems:
+        for line in problems:
+            print(f"align-pipeline sweep: {line}", file=sys.stderr)
+        print(f"align-pipeline sweep: {len(problems)} of {len(points)} points fail their parameter checks; nothing "
+              "was run", file=sys.stderr)
+        return 2
     sweep_id = datetime.datetime.now(datetime.timezone.utc).strftime("sweep-%Y-%m-%dT%H.%M.%S.%fZ")
     env = dict(os.environ, **{SWEEP_ENV: sweep_id})
     env.setdefault("KEDRO_DISABLE_TELEMETRY", "true")

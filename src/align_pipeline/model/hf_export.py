@@ -503,7 +503,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
             raise HFExportError(f"{checkpoint} holds LoRA adapters on an HF base; merge them first "
                                 "(`align-pipeline export` does)")
         if out.exists():
-            raise HFExportError(f"{out} exists; export into a new directory")
+            raise HFExportError(f"{out} exists; export into a new directory "
+                                "(`align-pipeline export --overwrite` replaces it)")
         out.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".merge-{out.name}-", dir=out.parent))
         try:
@@ -527,7 +528,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     vocab_size = int(meta["vocab_size"])
     family = family_of(model)
     if out.exists():
-        raise HFExportError(f"{out} exists; export into a new directory")
+        raise HFExportError(f"{out} exists; export into a new directory "
+                            "(`align-pipeline export --overwrite` replaces it)")
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -578,7 +580,8 @@ def export_peft(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         raise HFExportError(f"{checkpoint} is a value-head model; PEFT export covers policies (export the merged "
                             "model with `align-pipeline export` instead)")
     if out.exists():
-        raise HFExportError(f"{out} exists; export into a new directory")
+        raise HFExportError(f"{out} exists; export into a new directory "
+                            "(`align-pipeline export --overwrite` replaces it)")
     model = from_dict(ModelConfig, meta["model"], "meta.json model")
     ckpt = CheckpointTensors(checkpoint / adapters["adapters"])
     tensors: dict[str, torch.Tensor] = {}
