@@ -7,8 +7,9 @@ import os
 import pytest
 
 os.environ.setdefault("KEDRO_DISABLE_TELEMETRY", "true")
-# The suite runs two pytest workers (pyproject: -n 2) whose jobs share the cores: OpenMP threads that wait sleep
-# instead of spinning on a core the other worker's job needs. It changes no result, only who burns the CPU.
+# The suite runs two pytest workers (pyproject: -n 2) whose jobs share the cores: the launcher's jobs already wait
+# passively (OMP_WAIT_POLICY=PASSIVE, launch/torchrun.py build_env); this process and what it runs without the
+# launcher do too. It changes no result, only who burns the CPU.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 HEAVY_FIRST = ("pipelines/test_default_run.py", "pipelines/test_kedro_sft.py", "train/test_sft_parallel.py",

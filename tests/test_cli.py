@@ -85,3 +85,21 @@ def test_run_is_kedro_run(tmp_path):
     done = _align("run", "--help", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "--pipelines" in done.stdout and "--params" in done.stdout
+
+
+def test_a_failed_rank_0_is_not_printed_twice(tmp_path):
+    """Rank 0's log streams to the console while the job runs: the final error names it instead of repeating its
+    tail; another rank's tail (never streamed) is kept."""
+    from align_pipeline.cli import _without_streamed_tail
+    from align_pipeline.launch.torchrun import LaunchError
+
+    log = tmp_path / "rank0.log"
+    body = f"torchrun job 'sft' failed: rank {{}} exited with code 1 (ValueError: boom)\nlast 2 lines of rank {{}}'s " \
+           f"log {log}:\nTraceback (most recent call last):\nValueError: boom"
+    streamed = LaunchError(body.format(0, 0), rank=0, log_path=log)
+    assert _without_streamed_tail(streamed) == (
+        "torchrun job 'sft' failed: rank 0 exited with code 1 (ValueError: boom)\n"
+        f"(rank 0's log, streamed above: {log})")
+    other = LaunchError(body.format(1, 1), rank=1, log_path=tmp_path / "rank1.log")
+    assert _without_streamed_tail(other) == str(other)
+    assert _without_streamed_tail(ValueError("x\ny")) == "x\ny"

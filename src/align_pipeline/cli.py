@@ -139,12 +139,23 @@ def _run(traceback: bool, **kwargs: Any) -> Any:
         if traceback:
             raise
         where = f" (node {quiet.node})" if quiet.node else ""
-        click.secho(f"Error{where}: {exc}", fg="red", err=True)
+        click.secho(f"Error{where}: {_without_streamed_tail(exc)}", fg="red", err=True)
         click.echo("(a problem with the data, the configuration or a job; --traceback shows where it was raised)",
                    err=True)  # fmt: skip
         raise SystemExit(USER_ERROR_EXIT) from None
     finally:
         node_logger.removeFilter(quiet)
+
+
+def _without_streamed_tail(exc: BaseException) -> str:
+    """A failed job's error names the tail of the failing rank's log; rank 0's log was streamed to this console as
+    the job ran, so for it the error keeps its first line and names the log instead of printing its end again."""
+    from align_pipeline.launch.torchrun import LaunchError
+
+    text = str(exc)
+    if isinstance(exc, LaunchError) and exc.rank == 0 and exc.log_path is not None and "\n" in text:
+        return f"{text.splitlines()[0]}\n(rank 0's log, streamed above: {exc.log_path})"
+    return text
 
 
 run = click.Command(

@@ -80,6 +80,7 @@ def test_job_environment(monkeypatch):
     assert env["OMP_NUM_THREADS"] == "3"
     assert env["ALIGN_BACKEND"] == "gloo"
     assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")  # a user's own choice is kept
     assert env["NCCL_NVLS_ENABLE"] == "1"
     assert env["EXTRA"] == "5" and env["SOME_USER_VAR"] == "x"
     monkeypatch.delenv("NCCL_NVLS_ENABLE")

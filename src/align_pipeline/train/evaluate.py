@@ -162,7 +162,8 @@ def main(job: EvaluationJob) -> dict:
 
     report["ranking"] = rank_policies(report["policies"])
     table = report_table(report)
-    log(dist, "[evaluation] policies ranked:\n" + table)
+    # one line: the table is report.md (the Kedro node prints it once, with the gates)
+    log(dist, f"[evaluation] ranked: {' > '.join(report['ranking'])} (table: {Path(paths.output_dir) / 'report.md'})")
     if dist.is_logging_rank:
         out = Path(paths.output_dir)
         out.mkdir(parents=True, exist_ok=True)
