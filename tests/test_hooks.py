@@ -132,6 +132,8 @@ def test_one_parent_one_child_per_node_with_metrics(project, monkeypatch):
     assert tags["kedro.version"] == "1.7.0"
     assert tags["kedro.nodes"] == "prepare,train"
     assert parent.data.params["train.lr"] == "0.5"  # the --params override, under the name a user types
+    # every resolved value of the sections the nodes read, too (a key logged once: MLflow params are immutable)
+    assert parent.data.params["train.optim.beta"] == "0.9"
     assert parent.info.run_name == "kedro:__default__ train.lr=0.5 @2026-01-01T00.00.00.000Z"
     assert parent.data.metrics == {"train/loss": 0.5, "train/accuracy": 0.75, "train/per_task.add": 1.0}
 
@@ -325,7 +327,13 @@ def test_store_and_experiment_from_environment(project, tmp_path_factory, monkey
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "custom")
     _drive(MlflowHook(), project, PIPELINE)
     client = MlflowClient(default_tracking_uri(other.parent))
-    assert len(client.search_runs([client.get_experiment_by_name("custom").experiment_id])) == 3
+    experiment = client.get_experiment_by_name("custom")
+    assert len(client.search_runs([experiment.experiment_id])) == 3
+    # a training experiment in MLflow's UI, not a GenAI app's; a kind the user picks there is kept
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    client.set_experiment_tag(experiment.experiment_id, "mlflow.experimentKind", "finetuning")
+    _drive(MlflowHook(), project, PIPELINE)
+    assert client.get_experiment_by_name("custom").tags["mlflow.experimentKind"] == "finetuning"
 
 
 def test_broken_store_never_fails_the_run(project, monkeypatch, caplog):

@@ -194,7 +194,7 @@ def test_failed_save_keeps_the_run_dir_fails_the_runs_and_a_rerun_resumes(projec
     (child,) = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert parent.info.status == "FAILED" and parent.data.tags["kedro.failed_node"] == "train_sft"
     assert child.info.status == "FAILED" and "sft_policy" in child.data.tags["kedro.error"]
-    assert child.data.metrics["steps"] == STEPS  # the node's metrics are logged all the same
+    assert child.data.tags["align.steps"] == str(STEPS)  # the node's metrics are logged all the same
     assert [m.step for m in client.get_metric_history(child.info.run_id, "loss")] == list(range(1, STEPS + 1))
 
     outputs = _run(project, "sft")  # the obstacle is gone: the rerun resumes at the final step

@@ -46,7 +46,7 @@ def fit(data, train):
     ckpt = Path(tempfile.mkdtemp()) / "policy"
     ckpt.mkdir()
     (ckpt / "meta.json").write_text(json.dumps({"stage": "fit", "lr": train["lr"]}))
-    final = {"val_loss": 0.25 + train["lr"], "first_train_loss": 2.0, "steps": 4}
+    final = {"val_loss": 0.25 + train["lr"], "val_accuracy": 0.5, "first_train_loss": 2.0, "steps": 4}
     return str(ckpt), final
 
 
@@ -132,8 +132,9 @@ def test_no_final_value_at_step_0_and_one_key_per_metric(runs):
     assert [m.step for m in history] == [1, 2, 3, 4]  # the job's series only: the node's final value not re-logged
     assert history[-1].value == pytest.approx(0.25 + 0.1)
     # keys the job did not log come from the node's output, at its last step
-    assert [(m.step, m.value) for m in client.get_metric_history(fit.info.run_id, "first_train_loss")] == [(4, 2.0)]
-    assert set(fit.data.metrics) == {"val_loss", "first_train_loss", "steps"}
+    assert [(m.step, m.value) for m in client.get_metric_history(fit.info.run_id, "val_accuracy")] == [(4, 0.5)]
+    # how far it went is a tag; a copy of a point of the job's loss series is no metric of its own
+    assert set(fit.data.metrics) == {"val_loss", "val_accuracy"} and fit.data.tags["align.steps"] == "4"
 
 
 def test_run_names_tell_runs_apart(runs):
@@ -191,6 +192,19 @@ def test_compare_resolves_versions_through_lineage_and_writes_the_report(runs, t
     assert summary["curves"]["fit"]["val_loss"] == "fit__val_loss.png"
     assert (tmp_path / "report" / "fit__val_loss.png").stat().st_size > 1000
     assert "![fit val_loss](fit__val_loss.png)" in text
+
+
+def test_last_n_means_the_last_n_experiments_with_the_evaluations_that_scored_them(runs):
+    """The README's flow: train at one setting, train at another, evaluate: `compare --last 2` is the two trainings
+    (the evaluation-only kedro runs, the most recent here, are linked to them, not counted)."""
+    from align_pipeline.tracking.compare import resolve
+
+    client, parents, _, versions, _ = runs
+    experiments = resolve(client, [parents[0].info.experiment_id], last=2)
+    assert [e.run_id for e in experiments] == [p.info.run_id for p in parents[:2]]
+    assert [e.label for e in experiments] == ["train.lr=0.1", "train.lr=0.3"]
+    assert [e.linked["evaluate_policies"].data.tags["lineage.policy"] for e in experiments] == versions
+    assert [e.run_id for e in resolve(client, [parents[0].info.experiment_id], last=1)] == [parents[1].info.run_id]
 
 
 def test_compare_command_by_filter_and_version_logs_the_report(runs, tmp_path):

@@ -43,12 +43,20 @@ from align_pipeline.kedro.run_tags import input_lineage, is_checkpoint, join, ov
 from align_pipeline.kedro.tracking_store import TrackingStore
 from align_pipeline.tracking import runs, stale
 from align_pipeline.tracking.lineage import git_tags
-from align_pipeline.tracking.mlflow_logger import MAX_TAG_VALUE, clean_key, numeric_items
+from align_pipeline.tracking.mlflow_logger import MAX_TAG_VALUE, clean_key, flatten, numeric_items
 
 logger = logging.getLogger(__name__)
 
 METRICS_SUFFIX = "_metrics"
 
+
+COUNTERS = {"steps", "iterations"}
+"""Node-output keys that say how far a job went: tags on the node's run (``align.steps``), not metrics."""
+NOT_METRICS = COUNTERS | {"first_train_loss", "train_loss"}
+"""Node-output keys that are not logged as the node's metrics: the counters, and copies of points of the job's own
+``loss`` series (its first and last value). The output keeps them (gates, reuse records, tests read them)."""
+PARENT_ONLY = {"train_loss"}
+"""Of those, logged on the kedro run's parent (``sft/train_loss``), where each stage has one final value to compare."""
 
 class MlflowHook:
     """Parent MLflow run per pipeline run, child run per node; see the module docstring."""
@@ -57,6 +65,7 @@ class MlflowHook:
         self.store = TrackingStore(on_off=self._forget_runs)
         self._project_path: Path | None = None
         self._parent_run_id: str | None = None
+        self._parent_params: set[str] = set()  # the keys logged on the parent run (MLflow params are immutable)
         self._session_id = ""
         self._default_env = "local"
         self._node_runs: dict[str, str] = {}  # node name -> child run id (still open)
@@ -103,8 +112,9 @@ class MlflowHook:
     def _log_node_metrics(self, run_id: str, outputs: dict[str, Any]) -> None:
         """``*_metrics`` outputs: on the child, only the keys its job has not logged itself (the job logs each metric's
         history, final value included, at its steps: re-logging the final value would add a point at another step),
-        at the node's last step (``steps`` / ``iterations``, else 0); on the parent, every value, as
-        ``<output>/<key>`` (``dpo/val_accuracy``, ``evaluation/dpo/accuracy``), so parent runs compare."""
+        at the node's last step (``steps`` / ``iterations``, else 0; those are tags: :data:`COUNTERS`); on the parent,
+        every value but the counters and the first loss, as ``<output>/<key>`` (``dpo/val_accuracy``,
+        ``evaluation/dpo/accuracy``), so parent runs compare."""
         from mlflow.entities import Metric
 
         logged = set(self.store.call(self.store.client().get_run, run_id).data.metrics)
@@ -115,9 +125,11 @@ class MlflowHook:
                 continue
             values = numeric_items(value)
             step = int(values.get("steps", values.get("iterations", 0)))
-            child += [Metric(k, v, now, step) for k, v in values.items() if k not in logged]
+            for key in COUNTERS & set(values):  # how far the job went: a tag, not a one-point metric
+                self.store.call(self.store.client().set_tag, run_id, f"align.{key}", str(int(values[key])))
+            child += [Metric(k, v, now, step) for k, v in values.items() if k not in logged and k not in NOT_METRICS]
             parent += [Metric(clean_key(f"{name.removesuffix(METRICS_SUFFIX)}/{k}"), v, now, 0)
-                       for k, v in values.items()]
+                       for k, v in values.items() if k not in NOT_METRICS - PARENT_ONLY]
         self.store.log_metrics(run_id, child)
         if self._parent_run_id:
             self.store.log_metrics(self._parent_run_id, parent)
@@ -192,8 +204,9 @@ class MlflowHook:
             self._parent_run_id, self._session_id = run_id, tags["kedro.run_id"]
             # The overrides under the names users type (--params dpo.loss.beta=0.3), so MLflow's table and compare
             # view work on parent runs; the node's child run has the whole sections.
-            self.store.log_params(self._parent_run_id, {**self._runtime_params, "kedro.env": tags["kedro.env"],
-                                                        "kedro.pipeline": tags["kedro.pipeline"]})
+            first = {**self._runtime_params, "kedro.env": tags["kedro.env"], "kedro.pipeline": tags["kedro.pipeline"]}
+            self.store.log_params(self._parent_run_id, first)
+            self._parent_params = {clean_key(k) for k in flatten(first)}
             if not self._atexit:
                 atexit.register(self._at_exit)  # Ctrl-C / SIGTERM: the open runs end KILLED
                 self._atexit = True
@@ -235,6 +248,13 @@ class MlflowHook:
             runs.set_node_run(self.store.uri, run_id)  # what the launcher hands to the torchrun job
             if params:  # one namespace: the Kedro parameter names (the jobs log no config of their own)
                 self.store.log_params(run_id, params)
+                # ... and on the parent, every resolved value of the sections its nodes read (once per key: MLflow
+                # params are immutable), so MLflow's own compare view of two kedro runs plots dpo.loss.beta whether
+                # it was overridden or not
+                new = {k: v for k, v in flatten(params).items() if clean_key(k) not in self._parent_params}
+                if new:
+                    self.store.log_params(self._parent_run_id, new)
+                    self._parent_params |= {clean_key(k) for k in new}
             if datasets:
                 self.store.call(self.store.client().log_inputs, run_id, datasets=datasets)
 

@@ -29,6 +29,9 @@ logger = logging.getLogger("align_pipeline.kedro.mlflow_hook")
 DEFAULT_EXPERIMENT = "align-pipeline"
 
 
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+"""The experiment's kind for MLflow's UI: model training (runs, metrics, charts), not a GenAI app's traces."""
+
 class TrackingStore:
     """The store and experiment of this run; ``enabled`` False = track nothing (unreachable, gone, or broken)."""
 
@@ -102,6 +105,9 @@ class TrackingStore:
             experiment_id = experiment.experiment_id
             if experiment.lifecycle_stage == "deleted":
                 self.call(client.restore_experiment, experiment_id)
+        if experiment is None or EXPERIMENT_KIND_TAG not in experiment.tags:  # a kind chosen in the UI is kept
+            # MLflow 3's UI opens an experiment without a kind as a GenAI project (traces, "Detect Issues")
+            self.call(client.set_experiment_tag, experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         self.experiment_id = experiment_id
         self.enabled = True
 

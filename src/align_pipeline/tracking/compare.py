@@ -27,6 +27,15 @@ from typing import Any
 COMPARE_TAG = "align.compare"
 """Set on the MLflow runs that hold a comparison report (they are never compared themselves)."""
 EVALUATION_NODE = "evaluate_policies"
+
+
+def _scores_or_exports(node: str) -> bool:
+    """A node that scores or exports what another run trained (``evaluate_policies``, ``export_<artifact>``): a kedro
+    run of only these is not an experiment of its own (``--last N`` counts the others; its evaluation is linked to
+    the run whose outputs it scored)."""
+    return node == EVALUATION_NODE or node.startswith("export_")
+
+
 # Curves drawn per training stage, in this order (others with a history follow, up to MAX_CURVES per stage).
 PREFERRED_CURVES = ("loss", "val_loss", "val_accuracy", "val_rewards_margin", "rollout/rewards_mean",
                     "rollout/init_policy_kl", "val/greedy_accuracy", "train/policy_loss", "train/pg_loss",
@@ -113,8 +122,14 @@ def resolve(client, experiment_ids: list[str], refs: Iterable[str] = (), *, last
             raise CompareError(f"no kedro run, MLflow run or catalog version matches {ref!r} in experiment(s) "
                                f"{', '.join(experiment_ids)}")
         chosen += found
-    if last:
-        recent = sorted(parents.values(), key=lambda r: r.info.start_time, reverse=True)
+    if last:  # experiments: kedro runs that trained something; the evaluations that scored them come linked
+        children_of: dict[str, set[str]] = {}
+        for r in runs:
+            if "kedro.node" in r.data.tags and r.data.tags.get("mlflow.parentRunId") in parents:
+                children_of.setdefault(r.data.tags["mlflow.parentRunId"], set()).add(r.data.tags["kedro.node"])
+        trained = [r for r in parents.values()
+                   if any(not _scores_or_exports(n) for n in children_of.get(r.info.run_id, ()))]
+        recent = sorted(trained, key=lambda r: r.info.start_time, reverse=True)
         chosen += [r.info.run_id for r in recent[:last]]
     if filter_string:
         matched = client.search_runs(experiment_ids, filter_string=filter_string, max_results=1000)
@@ -416,7 +431,9 @@ def main(argv: list[str], store_args=None) -> int:
     parser.add_argument("refs", nargs="*", metavar="RUN_OR_VERSION",
                         help="an MLflow run id (parent or child), a kedro run id, a catalog version a run saved, or "
                         "<dataset>:<version>")
-    parser.add_argument("--last", type=int, default=0, help="also the N most recent kedro runs")
+    parser.add_argument("--last", type=int, default=0,
+                        help="also the N most recent experiments: kedro runs that trained something, each with the "
+                        "evaluation runs that scored its outputs (an evaluation-only run is not counted)")
     parser.add_argument("--filter", default=None, dest="filter_string",
                         help="also the kedro runs with a run matching this MLflow filter, e.g. "
                         "\"params.`dpo.loss.beta` = '0.3'\"")
