@@ -187,7 +187,7 @@ def test_compare_resolves_versions_through_lineage_and_writes_the_report(runs, t
     assert summary["evaluation"]["policy/accuracy"] == pytest.approx([0.6, 0.8])
     assert "fit lineage.config_hash" in summary["lineage_diff"]
     text = (tmp_path / "report" / "report.md").read_text()
-    assert "| policy/accuracy | 0.6 | 0.8 | +0.2 |" in text
+    assert "| policy/accuracy ↑ | 0.6 | 0.8 | +0.2 | no noise estimate |" in text  # no sample count logged
     assert "| train.lr | 0.1 | 0.3 |" in text
     assert summary["curves"]["fit"]["val_loss"] == "fit__val_loss.png"
     assert (tmp_path / "report" / "fit__val_loss.png").stat().st_size > 1000

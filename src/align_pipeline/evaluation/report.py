@@ -73,8 +73,8 @@ def report_table(report: dict) -> str:
 def flat_metrics(report: dict, sep: str = "/") -> dict[str, float]:
     """The report's numbers as flat metric names: ``<policy><sep><metric>``, ``reward_model<sep><metric>`` and
     ``<policy><sep>rank``."""
-    flat = {f"{name}{sep}{k}": v for name, m in report["policies"].items() for k, v in m.items()
-            if isinstance(v, float)}
+    flat = {f"{name}{sep}{k}": float(v) for name, m in report["policies"].items() for k, v in m.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}  # counts too (samples, prompts)
     flat.update({f"reward_model{sep}{k}": float(v) for k, v in report.get("reward_model", {}).items()})
     flat.update({f"{name}{sep}rank": float(i) for i, name in enumerate(report.get("ranking", []), 1)})
     return flat

@@ -279,6 +279,50 @@ def _delta(values: list[float | None]) -> list[str]:
             enumerate(values)]
 
 
+_HIGHER = re.compile(r"(accuracy|score|reward|margin|ended_with_eos)")
+_LOWER = re.compile(r"(kl_to_reference|perplexity|loss|/rank$)")
+
+
+def direction(metric: str) -> str:
+    """``↑`` higher is better, ``↓`` lower is better, ``""`` neither (lengths, counts)."""
+    name = metric.rsplit("/", 1)[-1]
+    if metric.endswith("/rank") or _LOWER.search(name):
+        return "↓"
+    return "↑" if _HIGHER.search(name) else ""
+
+
+def _sample_count(metric: str, row: dict[str, list[float | None]], i: int) -> float | None:
+    """How many samples the proportion ``metric`` of experiment ``i`` is a mean of, when the evaluation says so:
+    ``<policy>/accuracy`` over ``<policy>/samples`` sampled responses, ``<policy>/greedy_accuracy`` over
+    ``<policy>/prompts``, ``reward_model/accuracy`` over ``reward_model/pairs``."""
+    owner, _, name = metric.rpartition("/")
+    count = {"accuracy": "samples", "greedy_accuracy": "prompts"}.get(name)
+    if owner == "reward_model" and name == "accuracy":
+        count = "pairs"
+    values = row.get(f"{owner}/{count}") if count else None
+    return values[i] if values else None
+
+
+def verdict(metric: str, values: list[float | None], evaluation: dict[str, list[float | None]],
+            labels: list[str]) -> str:
+    """Which experiment is better on ``metric``, stated only when it clears the noise: for a proportion p over n
+    samples, the standard error sqrt(p(1-p)/n); the best beats the runner-up when their gap exceeds twice the
+    standard error of the difference (~95 %). Other metrics get no noise estimate and no winner."""
+    arrow = direction(metric)
+    known = [(v, i) for i, v in enumerate(values) if v is not None and not math.isnan(v)]
+    if not arrow or len(known) < 2:
+        return ""
+    ranked = sorted(known, reverse=arrow == "↑")
+    (best, b), (second, r) = ranked[0], ranked[1]
+    n_b, n_r = _sample_count(metric, evaluation, b), _sample_count(metric, evaluation, r)
+    if not n_b or not n_r or not 0 <= best <= 1 or not 0 <= second <= 1:
+        return "no noise estimate"
+    noise = 2 * math.sqrt(best * (1 - best) / n_b + second * (1 - second) / n_r)
+    if abs(best - second) > noise:
+        return f"{labels[b]} (gap {abs(best - second):.3g} > 2σ {noise:.3g})"
+    return f"within noise (gap {abs(best - second):.3g} ≤ 2σ {noise:.3g})"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     clean = [[c.replace("|", "\\|") for c in row] for row in rows]
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in clean)]
@@ -346,8 +390,16 @@ def write_report(client, experiments: list[Experiment], out_dir: str | Path) -> 
                      for e in experiments])
     lines += ["", "## Evaluation (Δ against the first run)", ""]
     if evaluation:
-        lines += _table(["metric", *labels, *(f"Δ {label}" for label in labels[1:])],
-                        [[k, *map(_fmt, v), *_delta(v)[1:]] for k, v in evaluation.items()])
+        verdicts = {k: verdict(k, v, evaluation, labels) for k, v in evaluation.items()}
+        summary["verdicts"] = verdicts
+        lines += _table(["metric", *labels, *(f"Δ {label}" for label in labels[1:]), "better"],
+                        [[f"{k} {direction(k)}".rstrip(), *map(_fmt, v), *_delta(v)[1:], verdicts[k]]
+                         for k, v in evaluation.items()])
+        lines += ["", ("↑ higher is better, ↓ lower is better. `<policy>/accuracy` is task accuracy: the share of "
+                  "sampled responses the accuracy function scores correct (`greedy_accuracy`: greedy responses); "
+                  "`reward_model/accuracy` is preference accuracy: the share of held-out pairs the reward model "
+                  "ranks as labelled. \"better\" names a run only when its gap to the runner-up exceeds twice the "
+                  "binomial standard error of the difference (proportions with a known sample count).")]
     else:
         lines.append("No evaluation run scored these runs' policies (run `kedro run --pipelines evaluation`).")
     gate_rows = gates(experiments)
@@ -364,6 +416,15 @@ def write_report(client, experiments: list[Experiment], out_dir: str | Path) -> 
                         [[k, *map(_fmt, v), *_delta(v)[1:]] for k, v in metrics.items()])
         lines.append("")
     lines += ["## Training curves", ""]
+    betas = [k for k in params if k.endswith("loss.beta")]
+    scaled = [f"{node} {key}" for node, metrics in pictures.items() for key in metrics
+              if "reward" in key and ("margin" in key or "chosen" in key or "rejected" in key)]
+    if betas and scaled:
+        note = (f"Note: {', '.join(scaled)} are β-scaled log-ratios (DPO's implicit rewards), and "
+                f"{', '.join(betas)} differs between these runs: their curves differ in scale by construction; "
+                "compare accuracies, or each run's curve with itself.")
+        lines += [note, ""]
+        summary["notes"] = [note]
     for node, metrics in pictures.items():
         lines += [f"### {node}", ""] + [f"![{node} {key}]({name})" for key, name in metrics.items()] + [""]
     lines += ["## Lineage that differs", ""]

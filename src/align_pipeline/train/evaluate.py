@@ -116,7 +116,7 @@ def main(job: EvaluationJob) -> dict:
         n_tok = np.array([len(t) for t in tokens], dtype=np.float64)
         policy_logp = np.array([sum(lp) for lp in logps])
         kl = (policy_logp + ref_stats[:, 0]).sum() / max(n_tok.sum(), 1)  # sum(log pi - log pi_ref) / tokens
-        m: dict = {}
+        m: dict = {"samples": len(rows_of), "prompts": len(records)}  # the counts behind the means (their noise)
         if correct is not None:
             m["accuracy"] = float(np.mean(correct))
         m.update({
@@ -163,7 +163,7 @@ def main(job: EvaluationJob) -> dict:
     report["ranking"] = rank_policies(report["policies"])
     table = report_table(report)
     # one line: the table is report.md (the Kedro node prints it once, with the gates)
-    log(dist, f"[evaluation] ranked: {' > '.join(report['ranking'])} (table: {Path(paths.output_dir) / 'report.md'})")
+    log(dist, f"[evaluation] ranked: {' > '.join(report['ranking'])} (the table: report.md of the output)")
     if dist.is_logging_rank:
         out = Path(paths.output_dir)
         out.mkdir(parents=True, exist_ok=True)
