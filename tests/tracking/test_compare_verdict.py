@@ -39,4 +39,5 @@ def test_counts_per_metric_and_no_estimate_without_one():
     assert verdict("sft/greedy_accuracy", [0.5, 0.6], evaluation, ["a", "b"]) == "within noise (gap 0.1 ≤ 2σ 0.198)"
     assert verdict("dpo/kl_to_reference", [0.07, 0.02], evaluation, ["a", "b"]) == "no noise estimate"
     assert verdict("dpo/response_length", [4.1, 4.2], evaluation, ["a", "b"]) == ""
+    assert verdict("dpo/kl_to_reference", [0.07, 0.07], evaluation, ["a", "b"]) == "same"
     assert verdict("dpo/accuracy", [0.3, None], {"dpo/samples": [800.0, None]}, ["a", "b"]) == ""

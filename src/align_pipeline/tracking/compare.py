@@ -312,6 +312,8 @@ def verdict(metric: str, values: list[float | None], evaluation: dict[str, list[
     known = [(v, i) for i, v in enumerate(values) if v is not None and not math.isnan(v)]
     if not arrow or len(known) < 2:
         return ""
+    if len({v for v, _ in known}) == 1:
+        return "same"
     ranked = sorted(known, reverse=arrow == "↑")
     (best, b), (second, r) = ranked[0], ranked[1]
     n_b, n_r = _sample_count(metric, evaluation, b), _sample_count(metric, evaluation, r)
