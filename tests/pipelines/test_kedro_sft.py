@@ -143,8 +143,9 @@ def test_dpo_flow_runs_on_a_fresh_project_then_a_beta_sweep_compares(project):
     text = (project / "cmp" / "report.md").read_text()
     assert "| dpo.loss.beta | 0.1 | 0.3 |" in text
     assert f"| dpo/accuracy ↑ | {accuracy[0]:.4g} | {accuracy[1]:.4g} | {accuracy[1] - accuracy[0]:+.4g} |" in text
-    # a winner only beyond the noise of 2 x 800 sampled answers (here: 200 prompts x 4, the fast config's)
-    assert summary["verdicts"]["dpo/accuracy"].startswith(("within noise", "dpo.loss.beta=")), summary["verdicts"]
+    # a winner only beyond the binomial noise of the sampled answers (equal accuracies: "same")
+    verdict, (a, b) = summary["verdicts"]["dpo/accuracy"], accuracy
+    assert verdict == "same" if a == b else verdict.startswith(("within noise", "dpo.loss.beta=")), verdict
     assert (project / "cmp" / "train_dpo__loss.png").is_file()
     if "val_rewards_margin" in summary["curves"].get("train_dpo", {}):  # drawn: then said to scale with beta
         assert "dpo.loss.beta differs between these runs" in text
