@@ -58,6 +58,7 @@ NOT_METRICS = COUNTERS | {"first_train_loss", "train_loss"}
 PARENT_ONLY = {"train_loss"}
 """Of those, logged on the kedro run's parent (``sft/train_loss``), where each stage has one final value to compare."""
 
+
 class MlflowHook:
     """Parent MLflow run per pipeline run, child run per node; see the module docstring."""
 

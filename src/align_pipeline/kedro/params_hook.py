@@ -268,16 +268,16 @@ def check_prompt_fields(parameters: dict[str, Any], pipeline, catalog) -> None:
                 check_records(records, display_path(prompts.path), functions)
 
 
+def used_sections(pipeline) -> set[str]:
+    """The parameter sections the pipeline's nodes read (``params:dpo.loss`` -> ``dpo``)."""
+    return {name.split(":", 1)[1].split(".", 1)[0] for node in pipeline.nodes for name in node.inputs
+            if name.startswith("params:")}  # fmt: skip
+
+
 class ParamsValidationHook:
     @hook_impl
     def before_pipeline_run(self, run_params: dict[str, Any], pipeline, catalog) -> None:
-        used = {
-            name.split(":", 1)[1].split(".", 1)[0]
-            for node in pipeline.nodes
-            for name in node.inputs
-            if name.startswith("params:")
-        }
         parameters = catalog.load("parameters")
-        validate_params(parameters, used)
+        validate_params(parameters, used_sections(pipeline))
         check_layouts(parameters, pipeline, catalog, tokenizer=pipeline_tokenizer(parameters, pipeline, catalog))
         check_prompt_fields(parameters, pipeline, catalog)

@@ -46,7 +46,7 @@ def check_points(pipelines: str, points: list[dict[str, str]], shared: str | Non
 
     from align_pipeline.cli import check_selection
     from align_pipeline.errors import UserError
-    from align_pipeline.kedro.params_hook import validate_params
+    from align_pipeline.kedro.params_hook import used_sections, validate_params
     from align_pipeline.pipeline_registry import register_pipelines
     from align_pipeline.settings import CONFIG_LOADER_ARGS, CONFIG_LOADER_CLASS
 
@@ -54,8 +54,7 @@ def check_points(pipelines: str, points: list[dict[str, str]], shared: str | Non
     names = [name.strip() for name in pipelines.split(",") if name.strip()]
     check_selection(registry, names, {}, [])
     pipeline = sum((registry[name] for name in names), Pipeline([]))
-    used = {name.split(":", 1)[1].split(".", 1)[0] for node in pipeline.nodes for name in node.inputs
-            if name.startswith("params:")}  # fmt: skip
+    used = used_sections(pipeline)
     problems = []
     for i, point in enumerate(points, 1):
         items = [*(item for item in (shared or "").split(",") if item.strip()), *(f"{k}={v}" for k, v in point.items())]

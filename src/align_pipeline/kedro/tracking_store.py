@@ -32,6 +32,7 @@ DEFAULT_EXPERIMENT = "align-pipeline"
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 """The experiment's kind for MLflow's UI: model training (runs, metrics, charts), not a GenAI app's traces."""
 
+
 class TrackingStore:
     """The store and experiment of this run; ``enabled`` False = track nothing (unreachable, gone, or broken)."""
 

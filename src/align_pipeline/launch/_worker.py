@@ -110,15 +110,11 @@ def _stop_what_we_forked() -> None:
         entries = os.listdir("/proc")
     except OSError:
         return
-    for entry in entries:
-        if not entry.isdigit() or int(entry) == me:
-            continue
+    for pid in (int(entry) for entry in entries if entry.isdigit()):
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            if int(stat[stat.rindex(b")") + 2 :].split()[2]) == me:  # fields after the name: state, ppid, pgrp
-                os.kill(int(entry), signal.SIGKILL)
-        except (OSError, ValueError, IndexError):
+            if pid != me and os.getpgid(pid) == me:
+                os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone meanwhile, or not ours to signal
             continue
 
 

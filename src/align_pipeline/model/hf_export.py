@@ -470,6 +470,13 @@ def _add_legacy_keys(config_json: Path, model: ModelConfig, dtype: str) -> None:
     config_json.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def _refuse_existing(out: Path) -> None:
+    """An export never writes into an existing directory (the command's ``--overwrite`` stages beside it)."""
+    if out.exists():
+        raise HFExportError(f"{out} exists; export into a new directory "
+                            "(`align-pipeline export --overwrite` replaces it)")
+
+
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
               dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
               progress: Callable[[int, int], None] | None = None,
@@ -502,9 +509,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
         if merge is None:
             raise HFExportError(f"{checkpoint} holds LoRA adapters on an HF base; merge them first "
                                 "(`align-pipeline export` does)")
-        if out.exists():
-            raise HFExportError(f"{out} exists; export into a new directory "
-                                "(`align-pipeline export --overwrite` replaces it)")
+        _refuse_existing(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".merge-{out.name}-", dir=out.parent))
         try:
@@ -527,9 +532,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
     model = from_dict(ModelConfig, meta["model"], "meta.json model")
     vocab_size = int(meta["vocab_size"])
     family = family_of(model)
-    if out.exists():
-        raise HFExportError(f"{out} exists; export into a new directory "
-                            "(`align-pipeline export --overwrite` replaces it)")
+    _refuse_existing(out)
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -579,9 +582,7 @@ def export_peft(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     if meta.get("head", "lm") != "lm":
         raise HFExportError(f"{checkpoint} is a value-head model; PEFT export covers policies (export the merged "
                             "model with `align-pipeline export` instead)")
-    if out.exists():
-        raise HFExportError(f"{out} exists; export into a new directory "
-                            "(`align-pipeline export --overwrite` replaces it)")
+    _refuse_existing(out)
     model = from_dict(ModelConfig, meta["model"], "meta.json model")
     ckpt = CheckpointTensors(checkpoint / adapters["adapters"])
     tensors: dict[str, torch.Tensor] = {}

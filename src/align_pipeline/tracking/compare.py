@@ -280,13 +280,13 @@ def _delta(values: list[float | None]) -> list[str]:
 
 
 _HIGHER = re.compile(r"(accuracy|score|reward|margin|ended_with_eos)")
-_LOWER = re.compile(r"(kl_to_reference|perplexity|loss|/rank$)")
+_LOWER = re.compile(r"(^rank$|kl_to_reference|perplexity|loss)")
 
 
 def direction(metric: str) -> str:
     """``↑`` higher is better, ``↓`` lower is better, ``""`` neither (lengths, counts)."""
     name = metric.rsplit("/", 1)[-1]
-    if metric.endswith("/rank") or _LOWER.search(name):
+    if _LOWER.search(name):
         return "↓"
     return "↑" if _HIGHER.search(name) else ""
 
