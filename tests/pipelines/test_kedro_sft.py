@@ -129,6 +129,7 @@ def test_dpo_flow_runs_on_a_fresh_project_then_a_beta_sweep_compares(project):
     (version,) = sorted((project / "data" / "08_reporting" / "eval_report").iterdir())
     text = (version / "eval_report" / "report.md").read_text()
     assert "| dpo | evaluation.gate.min_gain_over_sft | -1 |" in text and "Promoted: **dpo**" in text
+    _exports_are_mlflow_models_and_the_promoted_one_is_champion(project, dpo_version.name)
 
     env = {k: v for k, v in os.environ.items() if k != "KEDRO_ENV"}
     sweep = subprocess.run([sys.executable, "-m", "align_pipeline", "sweep", "--pipelines", "dpo_evaluation",
@@ -165,6 +166,32 @@ def test_dpo_flow_runs_on_a_fresh_project_then_a_beta_sweep_compares(project):
     client = MlflowClient(tracking_uri=mlflow.get_tracking_uri())
     last = client.get_run(summary["experiments"][-1]["runs"]["train_dpo"])
     assert "logs/dpo/rank0.log" in {a.path for a in client.list_artifacts(last.info.run_id, "logs/dpo")}
+
+
+def _exports_are_mlflow_models_and_the_promoted_one_is_champion(project: Path, dpo_version: str) -> None:
+    """`--pipelines export` after the evaluation: both policies become registered MLflow models; the promoted DPO
+    version is `models:/dpo_policy_hf@champion` with its gate results as tags, and MLflow serves it back (the same
+    logits as the exported directory)."""
+    import mlflow
+    import torch
+    from mlflow import MlflowClient
+    from transformers import AutoModelForCausalLM
+
+    _run(project, "export")
+    client = MlflowClient(tracking_uri=mlflow.get_tracking_uri())
+    champion = client.get_model_version_by_alias("dpo_policy_hf", "champion")
+    assert champion.tags["lineage.dpo_policy"] == dpo_version and champion.tags["export.check"] == "passed"
+    assert champion.tags["gate.min_gain_over_sft"].startswith("pass (") and champion.tags["gates.passed"] == "true"
+    assert champion.tags["evaluation.promoted"] == "true"
+    (sft,) = client.search_model_versions("name = 'sft_policy_hf'")
+    assert sft.tags["gates.passed"] == "reference (not gated)" and "champion" not in sft.aliases
+    (exported,) = (project / "data" / "07_model_output" / "dpo_policy_hf").iterdir()
+    assert champion.tags["lineage.out.dpo_policy_hf"] == exported.name
+    assert not champion.source.startswith(str(exported))  # a copy in MLflow's artifact store
+    components = mlflow.transformers.load_model("models:/dpo_policy_hf@champion", return_type="components")
+    ids = torch.tensor([[1, 5, 9, 12, 7]])
+    expected = AutoModelForCausalLM.from_pretrained(str(exported / "dpo_policy_hf")).eval()(ids).logits
+    assert torch.equal(components["model"].eval()(ids).logits, expected)
 
 
 def test_rlhf_on_a_fresh_project_then_reinforce_on_its_sft_policy(project):
@@ -290,8 +317,11 @@ def test_hf_model_through_data_prep_sft_dpo_then_export(project):
     client = MlflowClient(tracking_uri=mlflow.get_tracking_uri())
     (dpo_checkpoint,) = (project / "data" / "06_models" / "dpo_policy").iterdir()
     (registered,) = client.search_model_versions(f"tags.`lineage.dpo_policy` = '{dpo_checkpoint.name}'")
-    assert registered.name == "dpo_policy_hf" and Path(registered.source) == out.resolve()
-    assert registered.tags["lineage.out.dpo_policy_hf"] == version.name
+    assert registered.name == "dpo_policy_hf" and registered.tags["lineage.out.dpo_policy_hf"] == version.name
+    served = Path(mlflow.artifacts.download_artifacts(f"models:/dpo_policy_hf/{registered.version}"))
+    assert (served / "model" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    assert (served / "components" / "tokenizer" / "chat_template.jinja").exists() or "chat_template" in (
+        served / "components" / "tokenizer" / "tokenizer_config.json").read_text()
 
 
 

@@ -554,6 +554,10 @@ class ExportConfig:
     """Parity tolerance; None = 1e-4 for float32, 5e-2 for bfloat16/float16."""
     work_dir: str = "data/06_models/_runs/export"
     """Where the export pipeline writes before the catalog moves each HF directory into its version."""
+    register: bool = True
+    """Log each checked export as an MLflow model (a copy of the directory in MLflow's artifact store) and register
+    it as a version of the registered model named like its catalog entry (:mod:`align_pipeline.kedro.model_registry`);
+    false = the export stays a catalog version only."""
 
     def validate(self, where: str = "export") -> None:
         for name in ("max_shard_gb", "tolerance"):

@@ -38,7 +38,7 @@ from align_pipeline.datasets.checkpoint import HFModelDataset
 from align_pipeline.evaluation.gates import GateFailed
 from align_pipeline.kedro.console import plain_logging_when_piped, quiet_parameter_loads
 from align_pipeline.kedro.jobs_hook import NodeOutputs
-from align_pipeline.kedro.model_registry import register
+from align_pipeline.kedro.model_registry import promote, register
 from align_pipeline.kedro.run_tags import input_lineage, is_checkpoint, join, overrides_for, run_label, runner_name
 from align_pipeline.kedro.tracking_store import TrackingStore
 from align_pipeline.tracking import runs, stale
@@ -48,6 +48,8 @@ from align_pipeline.tracking.mlflow_logger import MAX_TAG_VALUE, clean_key, flat
 logger = logging.getLogger(__name__)
 
 METRICS_SUFFIX = "_metrics"
+PROMOTED = "promoted_policy"
+"""The evaluation's output naming the promoted policy (:func:`.model_registry.promote` applies it to the registry)."""
 
 
 COUNTERS = {"steps", "iterations"}
@@ -109,6 +111,21 @@ class MlflowHook:
     def _at_exit(self) -> None:  # Ctrl-C or a crash the pipeline hooks never saw
         if self._parent_run_id or self._node_runs:
             self._end_open_runs("KILLED")
+
+    def _registers(self) -> bool:
+        """``export.register`` (default true): HF exports are logged as MLflow models and registered."""
+        try:
+            return bool(self._catalog.load("params:export").get("register", True))
+        except Exception:  # noqa: BLE001 — no export parameters: the default
+            return True
+
+    def _latest_promotion(self) -> dict[str, Any] | None:
+        """The latest stored ``promoted_policy`` entry (None when the project has none)."""
+        try:
+            entry = self._catalog.load(PROMOTED)
+        except Exception:  # noqa: BLE001 — never evaluated (no version), or no such entry in this project
+            return None
+        return entry if isinstance(entry, dict) else None
 
     def _log_node_metrics(self, run_id: str, outputs: dict[str, Any]) -> None:
         """``*_metrics`` outputs: on the child, only the keys its job has not logged itself (the job logs each metric's
@@ -292,8 +309,11 @@ class MlflowHook:
                 for target in (run_id, self._parent_run_id):
                     if target:
                         self.store.set_tags(target, {clean_key(f"lineage.out.{dataset_name}"): version})
-                if isinstance(self._catalog.get(dataset_name), HFModelDataset):
-                    register(self.store, dataset_name, version, str(where), run_id)
+                if isinstance(self._catalog.get(dataset_name), HFModelDataset) and self._registers():
+                    register(self.store, dataset_name, version, str(where), run_id, self._latest_promotion())
+        if dataset_name == PROMOTED and isinstance(data, dict) and self._enabled:
+            with self.store.guard("after_dataset_saved"):
+                promote(self.store, data)
         if self._outputs.saved(node.name, dataset_name):
             self._outputs_stored(node.name)
 

@@ -80,6 +80,7 @@ def promote(report: dict[str, Any], policies: dict[str, str], cfg: EvaluationCon
     path = policies.get(dataset) if dataset else None
     entry = {"policy": best, "dataset": dataset, "version": Path(path).parent.name if path else None, "path": path,
              "accuracy": report["policies"][best].get("accuracy") if best else None,
+             "versions": evaluated_versions(policies),
              "gates": {name: [r.as_dict() for r in checks] for name, checks in results.items()},
              "passed": {name: all(r.passed for r in checks) for name, checks in results.items()}}
     (out_dir / "gates.json").write_text(json.dumps(entry, indent=1))
@@ -87,6 +88,11 @@ def promote(report: dict[str, Any], policies: dict[str, str], cfg: EvaluationCon
         f.write("\n" + gates_markdown(results, best))
     tag_active_run(gate_tags(entry))
     return entry
+
+
+def evaluated_versions(policies: dict[str, str]) -> dict[str, str]:
+    """Catalog name -> version of each evaluated policy (a checkpoint's path is ``<filepath>/<version>/<name>``)."""
+    return {name: Path(path).parent.name for name, path in sorted(policies.items())}
 
 
 def gate_tags(entry: dict[str, Any]) -> dict[str, str]:
@@ -102,6 +108,7 @@ def repromote(record: dict[str, Any], policies: dict[str, str], report_dir: Path
     (the same model: the key covers every policy's identity): written as the report's ``gates.json``, tagged on the
     node's run, and logged with the report."""
     entry = dict(record["promoted"])
+    entry["versions"] = evaluated_versions(policies)
     if entry.get("dataset"):
         entry["path"] = policies.get(entry["dataset"])
         entry["version"] = Path(entry["path"]).parent.name if entry["path"] else None
