@@ -24,7 +24,8 @@ from align_pipeline.losses import (
 )
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
-COMMON_METRICS = {"accuracy", "rewards_chosen", "rewards_rejected", "rewards_margin", "logps_chosen", "logps_rejected"}
+COMMON_METRICS = {"rewards/accuracies", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+                  "logps/rejected"}
 
 
 def approx(x):
@@ -59,10 +60,10 @@ def test_dpo_equal_logps_is_ln2():
     assert count.item() == 2 and count.dtype == torch.int
     assert set(m) == COMMON_METRICS | {"dpo_loss"}
     assert m["dpo_loss"].item() == approx(2 * LN2)
-    assert m["accuracy"].item() == 0.0
-    assert m["rewards_margin"].item() == 0.0
+    assert m["rewards/accuracies"].item() == 0.0
+    assert m["rewards/margins"].item() == 0.0
     # logps metrics are the policy's sums: chosen -5 + -5, rejected -7 + -7
-    assert m["logps_chosen"].item() == approx(-10.0) and m["logps_rejected"].item() == approx(-14.0)
+    assert m["logps/chosen"].item() == approx(-10.0) and m["logps/rejected"].item() == approx(-14.0)
 
 
 def test_dpo_hand_computed():
@@ -70,10 +71,10 @@ def test_dpo_hand_computed():
     # loss = -log σ(ln3) = ln(4/3); rewards: chosen 0.5 ln3, rejected -0.5 ln3, margin ln3; accuracy 1
     loss_sum, _, m = dpo_loss(pairs([LN3], [-LN3]), beta=0.5)
     assert loss_sum.item() == approx(math.log(4 / 3))
-    assert m["rewards_chosen"].item() == approx(0.5 * LN3)
-    assert m["rewards_rejected"].item() == approx(-0.5 * LN3)
-    assert m["rewards_margin"].item() == approx(LN3)
-    assert m["accuracy"].item() == 1.0
+    assert m["rewards/chosen"].item() == approx(0.5 * LN3)
+    assert m["rewards/rejected"].item() == approx(-0.5 * LN3)
+    assert m["rewards/margins"].item() == approx(LN3)
+    assert m["rewards/accuracies"].item() == 1.0
 
 
 def test_cdpo_label_smoothing():
@@ -131,8 +132,8 @@ def test_ipo_length_normalized():
     batch = pairs([4.0], [-3.0], chosen_tokens=t(2), rejected_tokens=t(3))
     loss_sum, _, m = ipo_loss(batch, beta=0.25)
     assert loss_sum.item() == approx(1.0)
-    assert m["rewards_chosen"].item() == approx(1.0)
-    assert m["rewards_rejected"].item() == approx(-0.75)
+    assert m["rewards/chosen"].item() == approx(1.0)
+    assert m["rewards/rejected"].item() == approx(-0.75)
     with pytest.raises(ValueError, match="chosen_tokens"):
         ipo_loss(pairs([0.0], [0.0]), beta=0.1)  # length-normalised by default: needs token counts
 
@@ -207,10 +208,10 @@ def test_simpo_hand_computed():
     batch = PreferenceLogps(t(-2.0), t(-6.0), chosen_tokens=t(4), rejected_tokens=t(3))  # no reference needed
     loss_sum, count, m = simpo_loss(batch, beta=2.0, gamma=3.0)
     assert loss_sum.item() == approx(LN2) and count.item() == 1
-    assert m["rewards_chosen"].item() == approx(-1.0)
-    assert m["rewards_rejected"].item() == approx(-4.0)
-    assert m["rewards_margin"].item() == approx(3.0)
-    assert m["accuracy"].item() == 1.0
+    assert m["rewards/chosen"].item() == approx(-1.0)
+    assert m["rewards/rejected"].item() == approx(-4.0)
+    assert m["rewards/margins"].item() == approx(3.0)
+    assert m["rewards/accuracies"].item() == 1.0
     assert m["simpo_loss"].item() == approx(LN2)
 
 

@@ -121,9 +121,9 @@ def test_lora_dpo_reference_with_adapters_off_equals_a_frozen_copy(data, base, t
     assert "a frozen copy" in (tmp_path / "frozen" / "logs" / "rank0.log").read_text()
     assert abs(off["history"][0]["loss"] - math.log(2)) < 1e-6
     assert_close(losses(off), losses(frozen), tol=1e-5)
-    for key in ("val_loss", "val_accuracy", "val_rewards_margin"):
+    for key in ("val_loss", "val_rewards/accuracies", "val_rewards/margins"):
         assert abs(off[key] - frozen[key]) < 1e-6, key
-    assert off["val_loss"] < math.log(2) and off["val_rewards_margin"] > 0  # the adapters moved off the reference
+    assert off["val_loss"] < math.log(2) and off["val_rewards/margins"] > 0  # the adapters moved off the reference
 
 
 def test_peft_export_of_the_adapters_loads_onto_the_exported_base(data, base, straight, tmp_path):

@@ -314,7 +314,10 @@ class TrainingConfig:
     micro_batch_size: int = 8
     """Samples per forward/backward; global = micro x grad-accumulation x DP."""
     log_interval: int = 10
-    """Steps between progress lines / metric logs."""
+    """Steps between progress lines on the console."""
+    metrics_interval: int | None = None
+    """Steps between MLflow metric points (and ``metrics.jsonl`` lines); None = ``train_steps // 50`` (at least 1): at
+    least 50 points per curve, whatever the console shows."""
     eval_interval: int = 50
     """Steps between validation passes (and one at the end); 0 = only at the end."""
     eval_samples: int | None = None
@@ -330,7 +333,7 @@ class TrainingConfig:
 
     def validate(self, where: str = "training") -> None:
         require_at_least(self, where, 1, "train_steps", "global_batch_size", "micro_batch_size", "log_interval",
-                         "eval_samples")
+                         "metrics_interval", "eval_samples")
         require_at_least(self, where, 0, "seed", "eval_interval", "save_interval", "keep_checkpoints")
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(f"{where}.global_batch_size={self.global_batch_size} must be a multiple of "
@@ -481,7 +484,10 @@ class RLLoopConfig:
     micro_batch_size: int = 16
     """Rows per forward/backward."""
     log_interval: int = 1
-    """Iterations between progress lines / metric logs."""
+    """Iterations between progress lines on the console."""
+    metrics_interval: int | None = None
+    """Iterations between MLflow metric points; None = ``iterations // 50`` (at least 1): at least 50 points per
+    curve (every iteration of a shorter run)."""
     eval_interval: int = 10
     """Iterations between greedy validation passes on held-out prompts (0 = only at the end)."""
     eval_prompts: int = 64
@@ -495,7 +501,7 @@ class RLLoopConfig:
 
     def validate(self, where: str = "rl") -> None:
         require_at_least(self, where, 1, "iterations", "prompts_per_iteration", "epochs", "minibatches",
-                         "micro_batch_size", "log_interval")
+                         "micro_batch_size", "log_interval", "metrics_interval")
         require_at_least(self, where, 0, "seed", "eval_interval", "eval_prompts", "save_interval", "keep_checkpoints")
 
     @property

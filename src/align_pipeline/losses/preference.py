@@ -10,10 +10,11 @@ Notation (all per pair, [B])::
     logπ_ref(y)      the same under the frozen reference (``ref_chosen`` / ``ref_rejected``)
     h                (logπ(y_c) - logπ_ref(y_c)) - (logπ(y_r) - logπ_ref(y_r))
 
-Metrics common to every loss (sums over B): ``<name>_loss`` (= loss_sum), ``accuracy`` (1 where the chosen implicit
-reward is strictly greater than the rejected one; ties count 0), ``rewards_chosen`` / ``rewards_rejected`` (the
-implicit rewards β·(logπ(y) - logπ_ref(y)) of DPO eq. 5, or β·logπ(y)/|y| for the reference-free SimPO),
-``rewards_margin`` (chosen - rejected), ``logps_chosen`` / ``logps_rejected`` (policy sequence log-probs).
+Metrics common to every loss (sums over B), named as TRL's ``DPOTrainer`` names them: ``<name>_loss`` (= loss_sum),
+``rewards/accuracies`` (1 where the chosen implicit reward is strictly greater than the rejected one; ties count 0),
+``rewards/chosen`` / ``rewards/rejected`` (the implicit rewards β·(logπ(y) - logπ_ref(y)) of DPO eq. 5, or
+β·logπ(y)/|y| for the reference-free SimPO), ``rewards/margins`` (chosen - rejected), ``logps/chosen`` /
+``logps/rejected`` (policy sequence log-probs). (TRL also logs mean ``logits/*``; we don't.)
 
 Configuration selects a function by name through :data:`PREFERENCE_LOSSES` / :func:`get_preference_loss`::
 
@@ -241,7 +242,7 @@ def simpo_loss(batch: PreferenceLogps, *, beta: float, gamma: float) -> LossOutp
 
         loss_b = -log σ( β/|y_c| · logπ(y_c) - β/|y_r| · logπ(y_r) - γ )
 
-    The implicit rewards (and the ``rewards_*`` / ``accuracy`` metrics) are SimPO's β·logπ(y)/|y|; the reference
+    The implicit rewards (and the ``rewards/*`` metrics) are SimPO's β·logπ(y)/|y|; the reference
     log-probs, if present, are ignored. A zero token count is treated as 1.
 
     Args:
@@ -367,11 +368,11 @@ def _output(
         margin = reward_chosen - reward_rejected  # [B]
         metrics = {
             loss_name: loss_sum.detach(),
-            "accuracy": (margin > 0).float().sum(),
-            "rewards_chosen": reward_chosen.sum(),
-            "rewards_rejected": reward_rejected.sum(),
-            "rewards_margin": margin.sum(),
-            "logps_chosen": batch.policy_chosen.detach().float().sum(),
-            "logps_rejected": batch.policy_rejected.detach().float().sum(),
+            "rewards/accuracies": (margin > 0).float().sum(),
+            "rewards/chosen": reward_chosen.sum(),
+            "rewards/rejected": reward_rejected.sum(),
+            "rewards/margins": margin.sum(),
+            "logps/chosen": batch.policy_chosen.detach().float().sum(),
+            "logps/rejected": batch.policy_rejected.detach().float().sum(),
         }
     return loss_sum, count, metrics

@@ -37,7 +37,7 @@ def _scores_or_exports(node: str) -> bool:
 
 
 # Curves drawn per training stage, in this order (others with a history follow, up to MAX_CURVES per stage).
-PREFERRED_CURVES = ("loss", "val_loss", "val_accuracy", "val_rewards_margin", "rollout/rewards_mean",
+PREFERRED_CURVES = ("loss", "val_loss", "val_accuracy", "val_rewards/accuracies", "val_rewards/margins", "rollout/rewards_mean",
                     "rollout/init_policy_kl", "val/greedy_accuracy", "train/policy_loss", "train/pg_loss",
                     "critic/value_loss")
 MAX_CURVES = 6
@@ -279,7 +279,7 @@ def _delta(values: list[float | None]) -> list[str]:
             enumerate(values)]
 
 
-_HIGHER = re.compile(r"(accuracy|score|reward|margin|ended_with_eos)")
+_HIGHER = re.compile(r"(accuracy|accuracies|score|reward|margin|ended_with_eos)")
 _LOWER = re.compile(r"(^rank$|kl_to_reference|perplexity|loss)")
 
 

@@ -120,8 +120,8 @@ def main(job: DPOJob) -> dict:
                            online_reference(job, source, dist))
     seq_length = source.model.seq_length
     loss_name = "loss" if lc.sft_weight else f"{lc.name}_loss"
-    metric_names = [f"{lc.name}_loss", "accuracy", "rewards_chosen", "rewards_rejected", "rewards_margin",
-                    "logps_chosen", "logps_rejected"] + (["sft_loss", "loss"] if lc.sft_weight else [])
+    metric_names = [f"{lc.name}_loss", "rewards/accuracies", "rewards/chosen", "rewards/rejected", "rewards/margins",
+                    "logps/chosen", "logps/rejected"] + (["sft_loss", "loss"] if lc.sft_weight else [])
     ckpts = Checkpoints.for_training({"model": (policy, paths.run_dir)}, cfg, job, "dpo", dist)
     step, runlog, metrics = supervised.start("dpo", job, ckpts, cfg, dist, logger)
 

@@ -135,5 +135,5 @@ def train_dpo(tokenizer: Artifact, pref_train: Artifact, pref_val: Artifact, sft
                                 reference=sft_policy if cfg.reference == "online" else None),
                  lineage={**lineage, "reference": sft_policy, "reference_logps": dpo_reference_logps.fingerprint})
     return run_supervised_stage("align_pipeline.train.dpo", job, launch_cfg, cfg, "dpo",
-                                metric_keys=("val_loss", "val_accuracy", "val_rewards_margin", "train_loss"),
+                                metric_keys=("val_loss", "val_rewards/accuracies", "val_rewards/margins", "train_loss"),
                                 stored=stored)

@@ -62,21 +62,34 @@ class Progress:
         log(self.dist, self.line(at, metrics))
 
 
-class RunLog:
-    """Rank 0's record of one run: the progress line, MLflow metrics (+ system metrics) every ``interval`` steps or
-    iterations (and at the last one, and whenever ``force``), the history kept in result.json, and the end of the
-    run (result.json, tracking and process groups closed)."""
+POINTS_PER_CURVE = 50
+"""MLflow points a curve gets by default (``metrics_interval: null``)."""
 
-    def __init__(self, stage: str, dist: Dist, logger, total: int, start: int, interval: int, unit: str = "step"):
+
+def metrics_every(total: int, interval: int | None) -> int:
+    """The configured ``metrics_interval``, or the one giving :data:`POINTS_PER_CURVE` points over ``total``."""
+    return interval if interval else max(1, total // POINTS_PER_CURVE)
+
+
+class RunLog:
+    """Rank 0's record of one run: the progress line every ``interval`` steps or iterations, MLflow metrics (+ system
+    metrics) every ``metrics_interval`` (both at the last one too, and whenever ``force``), the history kept in
+    result.json, and the end of the run (result.json, tracking and process groups closed)."""
+
+    def __init__(self, stage: str, dist: Dist, logger, total: int, start: int, interval: int, unit: str = "step",
+                 metrics_interval: int | None = None):
         self.stage, self.dist, self.logger, self.interval = stage, dist, logger, interval
+        self.metrics_interval = metrics_every(total, metrics_interval)
         self.progress = Progress(total, start, dist, unit=unit, prefix="" if unit == "step" else f"[{stage}] ")
         self.history: list[dict[str, float]] = []
 
     def record(self, at: int, metrics: dict[str, float], kept: dict[str, float], force: bool = False) -> None:
         """``kept`` goes to the history; ``metrics`` to the progress line and MLflow when due."""
         self.history.append(kept)
-        if force or at % self.interval == 0 or at == self.progress.total:
+        last = at == self.progress.total
+        if force or last or at % self.interval == 0:
             self.progress.print(at, metrics)
+        if force or last or at % self.metrics_interval == 0:
             self.logger.log_metrics(metrics, at)
             self.logger.log_system_metrics(at)
 

@@ -177,7 +177,8 @@ def start(stage: str, job, ckpts, prompts: PromptStream, rl: RLLoopConfig, dist:
             raise RuntimeError(f"prompt cursor {state['consumed_prompts']} does not match iteration {iteration}")
         log(dist, f"[{stage}] resumed at iteration {iteration} from {job.paths.run_dir}")
     log_job_params(logger, job, dist, resumed_from_iteration=iteration)
-    return iteration, state, RunLog(stage, dist, logger, rl.iterations, iteration, rl.log_interval, unit="iteration")
+    return iteration, state, RunLog(stage, dist, logger, rl.iterations, iteration, rl.log_interval, unit="iteration",
+                                   metrics_interval=rl.metrics_interval)
 
 
 def export_meta(stage: str, job, tok, final: dict[str, float], last: dict[str, float]) -> dict:

@@ -29,7 +29,8 @@ def start(stage: str, job, ckpts: Checkpoints, cfg: TrainingConfig, dist: Dist, 
         last = dict(state.get("last_metrics") or {})
         log(dist, f"[{stage}] resumed at step {step} from {job.paths.run_dir}")
     log_job_params(logger, job, dist, resumed_from_step=step)
-    return step, RunLog(stage, dist, logger, cfg.train_steps, step, cfg.log_interval), last
+    return step, RunLog(stage, dist, logger, cfg.train_steps, step, cfg.log_interval,
+                       metrics_interval=cfg.metrics_interval), last
 
 
 def data_position(step: int, cfg: TrainingConfig, last: dict[str, float] | None = None) -> dict[str, Any]:
