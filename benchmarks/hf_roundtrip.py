@@ -66,7 +66,8 @@ def run_cli(args: list[str]) -> tuple[dict[str, Any], float]:
     carries its own peak resident memory (``VmHWM``: ``ru_maxrss`` of a child forked from this large process would
     start at this process's peak)."""
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "align_pipeline", *args], capture_output=True, text=True, check=False)
+    done = subprocess.run([sys.executable, "-m", "align_pipeline", *args, "--json"], capture_output=True, text=True,
+                          check=False)
     wall = time.perf_counter() - t0
     lines = done.stdout.strip().splitlines()
     if done.returncode not in (0, 1) or not lines:  # 1 = a parity check above its tolerance (summary printed)

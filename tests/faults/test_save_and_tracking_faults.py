@@ -89,7 +89,7 @@ def _relog(source: Path, uri: str, *args: str) -> dict:
     """``align-pipeline mlflow-log`` as a user runs it (a separate process)."""
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
     proc = subprocess.run(
-        [sys.executable, "-m", "align_pipeline", "mlflow-log", str(source), *args],
+        [sys.executable, "-m", "align_pipeline", "mlflow-log", "--json", str(source), *args],
         env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr

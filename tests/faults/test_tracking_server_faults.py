@@ -138,7 +138,7 @@ def _run(root: Path, *pipelines: str, on_step=None) -> tuple[dict, Lines]:
 def _relog(source: Path, uri: str, *args: str) -> dict:
     """``align-pipeline mlflow-log`` as a user runs it (a separate process)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "align_pipeline", "mlflow-log", str(source), *args],
+        [sys.executable, "-m", "align_pipeline", "mlflow-log", "--json", str(source), *args],
         env={**os.environ, "MLFLOW_TRACKING_URI": uri}, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr

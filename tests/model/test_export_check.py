@@ -32,7 +32,7 @@ def _ours(work):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "align_pipeline", "export", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "align_pipeline", "export", "--json", *map(str, args)], capture_output=True,
                           text=True, check=False)
 
 

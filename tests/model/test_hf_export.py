@@ -204,7 +204,7 @@ def test_cli_import_with_check(imported, tmp_path):
 
     _, dirs = imported
     source, _ = dirs["qwen3"]
-    done = subprocess.run([sys.executable, "-m", "align_pipeline", "import", str(source), str(tmp_path / "ckpt"),
+    done = subprocess.run([sys.executable, "-m", "align_pipeline", "import", "--json", str(source), str(tmp_path / "ckpt"),
                            "--tp", "2", "--seq-length", "32", "--check"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -225,27 +225,27 @@ def test_cli_export(trained):
     done = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["qwen2"], str(out),
                            "--dtype", "bfloat16"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["family"] == "qwen2" and summary["out_dir"] == str(out) and summary["files"] == 1
+    table = dict(line.split(None, 1) for line in done.stdout.strip().splitlines())  # a table for people
+    assert table["family"] == "qwen2" and table["out_dir"] == str(out) and table["files"] == "1", done.stdout
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     # --check: Megatron (torchrun, one rank) vs transformers on fixed tokens; fp32 must agree to 1e-4
-    checked = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["llama"],
+    checked = subprocess.run([sys.executable, "-m", "align_pipeline", "export", "--json", checkpoints["llama"],
                               str(root / "hf_checked"), "--check"], capture_output=True, text=True, check=False)
     assert checked.returncode == 0, checked.stderr
     summary = json.loads(checked.stdout.strip().splitlines()[-1])
     assert summary["max_abs_logit_diff"] <= 1e-4 == summary["tolerance"]
     assert "max |dlogit| = " in checked.stderr
-    strict = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["llama"],
+    strict = subprocess.run([sys.executable, "-m", "align_pipeline", "export", "--json", checkpoints["llama"],
                              str(root / "hf_bf16_checked"), "--dtype", "bfloat16", "--check", "--tol", "1e-9"],
                             capture_output=True, text=True, check=False)
     assert strict.returncode == 1, strict.stderr  # bf16 weights cannot match fp32 logits to 1e-9
     assert json.loads(strict.stdout.strip().splitlines()[-1])["max_abs_logit_diff"] > 1e-9
-    refused = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["llama"], str(out)],
+    refused = subprocess.run([sys.executable, "-m", "align_pipeline", "export", "--json", checkpoints["llama"], str(out)],
                              capture_output=True, text=True, check=False)
     assert refused.returncode == 2 and "exists; export into a new directory" in refused.stderr
     assert "--overwrite" in refused.stderr
     # --overwrite: the float32 export takes the bfloat16 one's place, nothing left beside it
-    replaced = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["qwen2"], str(out),
+    replaced = subprocess.run([sys.executable, "-m", "align_pipeline", "export", "--json", checkpoints["qwen2"], str(out),
                                "--overwrite"], capture_output=True, text=True, check=False)
     assert replaced.returncode == 0, replaced.stderr
     assert json.loads(replaced.stdout.strip().splitlines()[-1])["out_dir"] == str(out)
@@ -254,7 +254,7 @@ def test_cli_export(trained):
     # ... but never over a directory that is not an export
     (root / "notes").mkdir()
     (root / "notes" / "todo.txt").write_text("mine")
-    kept = subprocess.run([sys.executable, "-m", "align_pipeline", "export", checkpoints["qwen2"], str(root / "notes"),
+    kept = subprocess.run([sys.executable, "-m", "align_pipeline", "export", "--json", checkpoints["qwen2"], str(root / "notes"),
                            "--overwrite"], capture_output=True, text=True, check=False)
     assert kept.returncode == 2 and "is not a Hugging Face export" in kept.stderr
     assert (root / "notes" / "todo.txt").read_text() == "mine"

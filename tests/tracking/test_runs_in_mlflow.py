@@ -210,7 +210,7 @@ def test_last_n_means_the_last_n_experiments_with_the_evaluations_that_scored_th
 def test_compare_command_by_filter_and_version_logs_the_report(runs, tmp_path):
     client, _, _, versions, project = runs
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    cmd = [sys.executable, "-m", "align_pipeline", "compare", versions[0], "--filter", "params.`train.lr` = '0.3'",
+    cmd = [sys.executable, "-m", "align_pipeline", "compare", "--json", versions[0], "--filter", "params.`train.lr` = '0.3'",
            "--out", str(tmp_path / "cmp")]
     proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -193,7 +193,7 @@ def test_relog_into_a_run_fills_only_the_gaps(tmp_path, store):
 def test_mlflow_log_command(tmp_path, store, capsys):
     path = tmp_path / "run" / METRICS_FILE
     _write_run(path).close()
-    assert mlflow_log_command([str(path.parent), "--tracking-uri", store.tracking_uri, "--experiment", "cli"]) == 0
+    assert mlflow_log_command(["--json", str(path.parent), "--tracking-uri", store.tracking_uri, "--experiment", "cli"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["metrics_logged"] == 6 and summary["tracking_uri"] == store.tracking_uri
     assert store.get_run(summary["run_id"]).data.params["job.lr"] == "0.001"
@@ -262,11 +262,11 @@ def test_mlflow_log_closes_the_runs_left_running_with_the_last_step(tmp_path, st
     mine = client.create_run(experiment, tags=this).info.run_id  # this process: still running
     own = tmp_path / "own" / METRICS_FILE
     RunLogger(rank=0, run_id=mine, tracking_uri=client.tracking_uri, metrics_file=own, system_metrics=False).close()
-    assert mlflow_log_command([str(own), "--tracking-uri", client.tracking_uri, "--run-id", mine]) == 0
+    assert mlflow_log_command(["--json", str(own), "--tracking-uri", client.tracking_uri, "--run-id", mine]) == 0
     assert json.loads(capsys.readouterr().out)["closed_runs"] == []
     assert client.get_run(mine).info.status == "RUNNING"
 
-    assert mlflow_log_command([str(path.parent), "--tracking-uri", client.tracking_uri, "--run-id", child]) == 0
+    assert mlflow_log_command(["--json", str(path.parent), "--tracking-uri", client.tracking_uri, "--run-id", child]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["closed_runs"] == [child, parent] and summary["metrics_logged"] == 3
     run = client.get_run(child)
@@ -274,5 +274,5 @@ def test_mlflow_log_closes_the_runs_left_running_with_the_last_step(tmp_path, st
     assert run.data.tags["align.last_step"] == "5" and "mlflow-log" in run.data.tags["align.closed_by"]
     assert sorted(m.step for m in client.get_metric_history(child, "loss")) == [1, 2, 3, 4, 5]
     assert client.get_run(parent).info.status == "KILLED"
-    assert mlflow_log_command([str(path.parent), "--tracking-uri", client.tracking_uri, "--run-id", child]) == 0
+    assert mlflow_log_command(["--json", str(path.parent), "--tracking-uri", client.tracking_uri, "--run-id", child]) == 0
     assert json.loads(capsys.readouterr().out)["closed_runs"] == []

@@ -1,16 +1,18 @@
 """The commands of ``align-pipeline`` besides ``kedro run`` (dispatched by :mod:`align_pipeline.__main__`): export,
 import, mlflow-log, compare, sweep, worker, gc. Each parses its own arguments, imports what it needs when it runs,
-and returns the process's exit code (0 done, 1 a check failed, 2 a user error, printed in one line)."""
+and returns the process's exit code (0 done, 1 a check failed, 2 a user error, printed in one line). A result
+prints as a table, or as one JSON line with ``--json`` (:mod:`align_pipeline.tracking.command_output`)."""
 
 import os
 import sys
 from pathlib import Path
 
+from align_pipeline.tracking.command_output import add_json_flag, print_result
+
 
 def export_command(argv: list[str]) -> int:
     """``export``: a model checkpoint -> an HF model directory (see :mod:`align_pipeline.model.hf_export`)."""
     import argparse
-    import json
     import time
 
     parser = argparse.ArgumentParser(prog="align-pipeline export",
@@ -41,6 +43,7 @@ def export_command(argv: list[str]) -> int:
                         help="replace an existing export at HF_DIR (as save_pretrained does): the new one is written "
                         "beside it and takes its place only when complete; a directory that is not an HF export "
                         "(no config.json / adapter_config.json) is refused")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
 
     from align_pipeline.errors import UserError
@@ -62,9 +65,12 @@ def export_command(argv: list[str]) -> int:
             return 2
         if final is not None:
             summary["out_dir"] = args.hf_dir = _replace(final, args.hf_dir)
-        print(f"align-pipeline export: PEFT adapter ({', '.join(summary['target_modules'])}; {summary['params']:,} "
-              f"parameters) -> {summary['out_dir']}; load it onto the HF export of {summary['base_model'] or 'the base'}"
-              " with peft.PeftModel.from_pretrained")
+        if args.json:
+            print_result(summary, True)
+        else:
+            print(f"align-pipeline export: PEFT adapter ({', '.join(summary['target_modules'])}; "
+                  f"{summary['params']:,} parameters) -> {summary['out_dir']}; load it onto the HF export of "
+                  f"{summary['base_model'] or 'the base'} with peft.PeftModel.from_pretrained")
         return 0
 
     t0 = time.perf_counter()
@@ -82,9 +88,9 @@ def export_command(argv: list[str]) -> int:
     summary["peak_rss_gib"] = _peak_rss_gib()
     tol = args.tol if args.tol is not None else (1e-4 if args.dtype == "float32" else 5e-2)
     if not args.check:
-        print(json.dumps(summary))
+        print_result(summary, args.json)
         return 0
-    return _check_export(summary, args.checkpoint, args.hf_dir, tol)
+    return _check_export(summary, args.checkpoint, args.hf_dir, tol, args.json)
 
 
 def _staging_dir(existing: str) -> str:
@@ -118,11 +124,10 @@ def _replace(final: str, staging: str) -> str:
     return str(Path(final))
 
 
-def _check_export(summary: dict, checkpoint: str, hf_dir: str, tol: float) -> int:
+def _check_export(summary: dict, checkpoint: str, hf_dir: str, tol: float, as_json: bool) -> int:
     """``export --check``: every check of :func:`align_pipeline.model.export_check.check_export`, one line each on
-    stderr, recorded in the export (``align_export_check.json``); the summary (with ``checks``) as one JSON line;
+    stderr, recorded in the export (``align_export_check.json``); the summary (with ``checks``) as the result;
     exit 1 when any check failed."""
-    import json
     import shutil
     import tempfile
 
@@ -144,7 +149,7 @@ def _check_export(summary: dict, checkpoint: str, hf_dir: str, tol: float) -> in
     logits = next((c.value for c in checks if c.name == "logits" and c.value is not None), None)
     summary |= {"max_abs_logit_diff": logits, "tolerance": tol, "checks": {c.name: c.ok for c in checks},
                 "check": "failed" if failed else "passed"}
-    print(json.dumps(summary))
+    print_result(summary, as_json)
     if failed:
         print(f"align-pipeline export --check: {hf_dir} FAILED {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
@@ -162,14 +167,13 @@ def _peak_rss_gib() -> float | None:
     return None
 
 
-def _report(summary: dict, checkpoint: str, hf_dir: str, tol: float | None) -> int:
-    """Print the summary as one JSON line; with a tolerance, first run the parity check (exit 1 above it)."""
-    import json
+def _report(summary: dict, checkpoint: str, hf_dir: str, tol: float | None, as_json: bool) -> int:
+    """Print the summary (:func:`print_result`); with a tolerance, first run the parity check (exit 1 above it)."""
     import shutil
     import tempfile
 
     if tol is None:
-        print(json.dumps(summary))
+        print_result(summary, as_json)
         return 0
     from align_pipeline.launch.model_jobs import check_parity
     from align_pipeline.launch.torchrun import LaunchError
@@ -183,7 +187,7 @@ def _report(summary: dict, checkpoint: str, hf_dir: str, tol: float | None) -> i
         return 2
     shutil.rmtree(work, ignore_errors=True)
     summary["tolerance"] = tol
-    print(json.dumps(summary))
+    print_result(summary, as_json)
     print(f"max |dlogit| = {summary['max_abs_logit_diff']:.3g} (tolerance {tol:g})", file=sys.stderr)
     return 0 if summary["max_abs_logit_diff"] <= tol else 1
 
@@ -207,6 +211,7 @@ def import_command(argv: list[str]) -> int:
                         help="run the checkpoint (Megatron) and the HF model (transformers) on the same fixed tokens, "
                         "print max |dlogit| and exit 1 above --tol")
     parser.add_argument("--tol", type=float, default=1e-4, help="--check tolerance (fp32)")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
 
     from align_pipeline.errors import UserError
@@ -222,7 +227,7 @@ def import_command(argv: list[str]) -> int:
         return 2
     summary = {"out_dir": result["out"], "family": result["model"]["hf_family"], "vocab_size": result["vocab_size"],
                "tp": args.tp, "pp": args.pp, "seconds": round(time.perf_counter() - t0, 2)}
-    return _report(summary, args.checkpoint, args.hf_dir, args.tol if args.check else None)
+    return _report(summary, args.checkpoint, args.hf_dir, args.tol if args.check else None, args.json)
 
 
 def mlflow_log_command(argv: list[str]) -> int:
@@ -230,7 +235,6 @@ def mlflow_log_command(argv: list[str]) -> int:
     then the runs the job was logging into that were left RUNNING are closed as KILLED
     (:func:`align_pipeline.tracking.stale.close_runs_left_running`)."""
     import argparse
-    import json
 
     parser = argparse.ArgumentParser(prog="align-pipeline mlflow-log",
                                      description="Log the metrics.jsonl a training job kept (params, step metrics, "
@@ -251,6 +255,7 @@ def mlflow_log_command(argv: list[str]) -> int:
     parser.add_argument("--tracking-uri", default=None,
                         help="the store (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db, the project's "
                         "default when run from the project directory)")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
 
     from align_pipeline.tracking import bounded
@@ -285,7 +290,7 @@ def mlflow_log_command(argv: list[str]) -> int:
     except MlflowException as exc:
         print(f"align-pipeline mlflow-log: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"tracking_uri": uri, **summary}))
+    print_result({"tracking_uri": uri, **summary}, args.json)
     return 0
 
 

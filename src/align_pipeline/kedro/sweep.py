@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -71,6 +70,7 @@ def check_points(pipelines: str, points: list[dict[str, str]], shared: str | Non
 def main(argv: list[str], store_args=None) -> int:
     import argparse
 
+    from align_pipeline.tracking.command_output import add_json_flag, print_result
     from align_pipeline.tracking.compare import (
         CompareError,
         default_out_dir,
@@ -90,6 +90,7 @@ def main(argv: list[str], store_args=None) -> int:
     parser.add_argument("--params", default=None, help="overrides every point shares, as for kedro run")
     parser.add_argument("--env", default=None, help="Kedro configuration environment")
     parser.add_argument("--out", type=Path, default=None, help="report directory")
+    add_json_flag(parser)
     if store_args is not None:
         store_args(parser)
     args = parser.parse_args(argv)
@@ -143,6 +144,6 @@ def main(argv: list[str], store_args=None) -> int:
         print(f"align-pipeline sweep: {exc}", file=sys.stderr)
         return 2
     run_id = log_report(client, experiment_id, experiments, out)
-    print(json.dumps({"sweep": sweep_id, "points": len(points), "failed": failed, "tracking_uri": uri,
-                      "report": str(Path(out).resolve() / "report.md"), "mlflow_run_id": run_id}))
+    print_result({"sweep": sweep_id, "points": len(points), "failed": failed, "tracking_uri": uri,
+                  "report": str(Path(out).resolve() / "report.md"), "mlflow_run_id": run_id}, args.json)
     return 1 if failed else 0

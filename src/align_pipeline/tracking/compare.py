@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from align_pipeline.tracking.command_output import add_json_flag, print_result
+
 COMPARE_TAG = "align.compare"
 """Set on the MLflow runs that hold a comparison report (they are never compared themselves)."""
 EVALUATION_NODE = "evaluate_policies"
@@ -482,7 +484,8 @@ def default_out_dir() -> Path:
 
 
 def main(argv: list[str], store_args=None) -> int:
-    """``align-pipeline compare``: resolve, write the report, log it to MLflow; prints one JSON line."""
+    """``align-pipeline compare``: resolve, write the report, log it to MLflow; prints where (a table, or JSON with
+    ``--json``)."""
     import argparse
     import sys
 
@@ -503,6 +506,7 @@ def main(argv: list[str], store_args=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="report directory (default: "
                         "data/08_reporting/comparisons/<timestamp>)")
     parser.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
+    add_json_flag(parser)
     if store_args is not None:
         store_args(parser)
     args = parser.parse_args(argv)
@@ -517,8 +521,8 @@ def main(argv: list[str], store_args=None) -> int:
         print(f"align-pipeline compare: {exc}", file=sys.stderr)
         return 2
     run_id = None if args.no_log else log_report(client, experiment_id, experiments, out)
-    print(json.dumps({"report": str(Path(out).resolve() / "report.md"), "mlflow_run_id": run_id, "tracking_uri": uri,
-                      "compared": [e["label"] for e in summary["experiments"]]}))
+    print_result({"report": str(Path(out).resolve() / "report.md"), "mlflow_run_id": run_id, "tracking_uri": uri,
+                  "compared": [e["label"] for e in summary["experiments"]]}, args.json)
     return 0
 
 
