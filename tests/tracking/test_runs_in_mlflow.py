@@ -80,7 +80,7 @@ from kedro.framework.startup import bootstrap_project
 project = Path(sys.argv[1])
 bootstrap_project(project)
 for lr in (0.1, 0.3):
-    with KedroSession.create(project_path=project, runtime_params={"train": {"lr": lr}}) as session:
+    with KedroSession.create(project_path=project, runtime_params={"train": {"lr": lr, "data_seed": 7}}) as session:
         session.run()
 for version in sorted(p.name for p in (project / "data" / "06_models" / "policy").iterdir()):
     with KedroSession.create(project_path=project) as session:
@@ -90,7 +90,7 @@ for version in sorted(p.name for p in (project / "data" / "06_models" / "policy"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two training `kedro run --params train.lr=...` of a project with a versioned checkpoint entry, then one
+    """Two training `kedro run --params train.lr=...,train.data_seed=7` of a project with a versioned checkpoint entry, then one
     evaluation run per version -> (client, parents oldest first, {parent run id: {node: child run}}, versions,
     project)."""
     project = tmp_path_factory.mktemp("runs_project")
@@ -140,9 +140,9 @@ def test_no_final_value_at_step_0_and_one_key_per_metric(runs):
 def test_run_names_tell_runs_apart(runs):
     _, parents, children, versions, _ = runs
     names = [p.info.run_name for p in parents[:2]]
-    assert names == [f"kedro:__default__ train.lr={lr} @{v}" for lr, v in zip((0.1, 0.3), versions)]
+    assert names == [f"kedro:__default__ train.data_seed=7 train.lr={lr} @{v}" for lr, v in zip((0.1, 0.3), versions)]
     fits = [children[p.info.run_id]["fit"].info.run_name for p in parents[:2]]
-    assert fits == [f"fit train.lr={lr} @{v}" for lr, v in zip((0.1, 0.3), versions)]
+    assert fits == [f"fit train.data_seed=7 train.lr={lr} @{v}" for lr, v in zip((0.1, 0.3), versions)]
 
 
 def test_parent_runs_carry_overrides_env_and_headline_results(runs):
@@ -184,6 +184,8 @@ def test_compare_resolves_versions_through_lineage_and_writes_the_report(runs, t
     assert [e.linked["evaluate_policies"].data.tags["lineage.policy"] for e in experiments] == versions
     summary = write_report(client, experiments, tmp_path / "report")
     assert summary["params_diff"]["train.lr"] == ["0.1", "0.3"]
+    assert summary["shared_overrides"] == {"train.data_seed": 7}  # both runs were given it: held fixed
+    assert "`--params train.data_seed=7`: set on every run's command line" in (tmp_path / "report" / "report.md").read_text()
     assert summary["evaluation"]["policy/accuracy"] == pytest.approx([0.6, 0.8])
     assert "fit lineage.config_hash" in summary["lineage_diff"]
     text = (tmp_path / "report" / "report.md").read_text()

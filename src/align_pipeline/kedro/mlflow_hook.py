@@ -25,6 +25,7 @@ its node (or at ``after_node_run`` for a node without outputs); a node whose sav
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import threading
@@ -213,6 +214,7 @@ class MlflowHook:
                 if run_params.get(key):
                     tags[f"kedro.{key}"] = join(run_params[key])
             self._runtime_params = dict(run_params.get("runtime_params") or {})
+            tags["kedro.overrides"] = json.dumps(overrides_for(self._runtime_params), sort_keys=True)[:MAX_TAG_VALUE]
             version = self._save_version or tags["kedro.run_id"]
             run_id = self.store.start_run(
                 run_label(f"kedro:{','.join(names)}", overrides_for(self._runtime_params), version),

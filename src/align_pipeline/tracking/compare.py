@@ -82,6 +82,14 @@ class Experiment:
         out.update({k: v for k, v in self.parent.data.params.items() if not k.startswith("kedro.")})
         return out
 
+    def overrides(self) -> dict[str, Any]:
+        """The ``--params`` the kedro run was given (its ``kedro.overrides`` tag; {} for runs made before it)."""
+        try:
+            value = json.loads(self.parent.data.tags.get("kedro.overrides") or "{}")
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
     def lineage(self) -> dict[str, str]:
         """``<node> lineage.<key>`` -> value over its runs."""
         return {f"{node} {k}": v for node, run in sorted(self.runs().items()) for k, v in run.data.tags.items()
@@ -204,6 +212,13 @@ def params_diff(experiments: list[Experiment]) -> dict[str, list[str]]:
         if len(set(values)) > 1:
             out[key] = values
     return out
+
+
+def shared_overrides(experiments: list[Experiment]) -> dict[str, Any]:
+    """The ``--params`` overrides every experiment's kedro run was given with the same value (a sweep's ``--params``,
+    the settings a comparison holds fixed)."""
+    first, *rest = [e.overrides() for e in experiments]
+    return {k: v for k, v in sorted(first.items()) if all(k in o and o[k] == v for o in rest)}
 
 
 def lineage_diff(experiments: list[Experiment]) -> dict[str, list[str]]:
@@ -413,6 +428,12 @@ def write_report(client, experiments: list[Experiment], out_dir: str | Path) -> 
               else ["No gate results (evaluation.gate, <stage>.gate.* unset)."])
     lines += ["", "## Params that differ", ""]
     lines += _table(["param", *labels], [[k, *v] for k, v in params.items()]) if params else ["None."]
+    shared = shared_overrides(experiments)
+    summary["shared_overrides"] = shared
+    lines += ["", "## Overrides every run shares", ""]
+    given = ",".join(f"{k}={v}" for k, v in shared.items())
+    lines.append(f"`--params {given}`: set on every run's command line, so these runs compare at those values, not "
+                 "at the defaults." if shared else "None: no `--params` value is common to all of these runs.")
     lines += ["", "## Final training metrics", ""]
     for node, metrics in finals.items():
         lines += [f"### {node}", ""]
