@@ -22,7 +22,8 @@ FILES = {"sft": "sft.jsonl", "preference": "preference.jsonl", "prompts": "promp
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="data/01_raw", help="output directory")
-    ap.add_argument("--sft", type=int, default=4000, help="lines of sft.jsonl")
+    ap.add_argument("--sft", type=int, default=4000, help="SFT prompts drawn (exact repeats are left out: the shipped "
+                    "file has 3738 lines)")
     ap.add_argument("--preference", type=int, default=2000, help="lines of preference.jsonl")
     ap.add_argument("--prompts", type=int, default=800, help="lines of prompts.jsonl (held-out prompts)")
     ap.add_argument("--wrong-fraction", type=float, default=0.3, help="share of SFT outputs that are wrong")

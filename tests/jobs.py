@@ -122,9 +122,10 @@ def run_rm(pref: dict[str, str], tokenizer: str, policy: str, run_dir: Path, mod
 
 
 def run_dpo(pref: dict[str, str], tokenizer: str, policy: str, run_dir: Path, nproc: int = 1,
-            reference_model: str | None = None, reference_logps: str | None = None, **section: Any) -> dict[str, Any]:
+            reference_model: str | None = None, reference_logps: str | None = None,
+            parallel: dict[str, Any] | None = None, **section: Any) -> dict[str, Any]:
     """A tiny DPO job on ``pref`` from ``policy`` (``section``: DPOConfig fields, ``lora`` as a dict;
-    ``reference_model`` / ``reference_logps``: the job's paths)."""
+    ``reference_model`` / ``reference_logps``: the job's paths; ``parallel``: ParallelConfig fields)."""
     from align_pipeline.config import DPOConfig, DPOJob, DPOPaths
 
     training = TrainingConfig(seed=5, train_steps=4, global_batch_size=8, micro_batch_size=4, log_interval=1,
@@ -132,6 +133,7 @@ def run_dpo(pref: dict[str, str], tokenizer: str, policy: str, run_dir: Path, np
                               optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1))
     lora = LoRAConfig(**section.pop("lora", {}))
     job = DPOJob(dpo=DPOConfig(training=section.pop("training", training), lora=lora, **section), model=TINY_MODEL,
+                 parallel=ParallelConfig(**(parallel or {})),
                  paths=DPOPaths(run_dir=str(run_dir), train_data=pref["train"], val_data=pref["val"],
                                 tokenizer=tokenizer, init_from=policy, reference=reference_model,
                                 reference_logps=reference_logps))

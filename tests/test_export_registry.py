@@ -80,14 +80,24 @@ def test_only_checked_or_opted_out_exports_are_registered(tmp_path, store, hf_ex
     assert all(m.artifact_location.startswith((tmp_path / "mlruns").as_uri()) for m in logged)
 
 
-def test_mlflow_serves_the_registered_export_with_the_directory_s_logits(tmp_path, store, hf_export):
+@pytest.fixture
+def tracking_uri(store):
+    """MLflow's process-wide tracking URI set to the test's store (as a user's session would), then restored."""
+    import mlflow
+
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(store.uri)
+    yield store.uri
+    mlflow.set_tracking_uri(before)
+
+
+def test_mlflow_serves_the_registered_export_with_the_directory_s_logits(tmp_path, store, hf_export, tracking_uri):
     import mlflow
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     export = _copy(hf_export, tmp_path / "v" / "dpo_policy_hf", "passed")
     number = register(store, "dpo_policy_hf", "v", str(export), _export_run(store, dpo_policy="c1"))
     shutil.rmtree(export)  # MLflow must not need the directory it was exported to
-    mlflow.set_tracking_uri(store.uri)
     uri = f"models:/dpo_policy_hf/{number}"
     components = mlflow.transformers.load_model(uri, return_type="components")
     ids = torch.tensor([[5, 17, 42, 99, 3]])

@@ -63,6 +63,8 @@ def test_addition_space_exhausted_keeps_held_out_disjoint():
     assert len(held) == 1000
     assert not held & {r["input"] for r in a["sft"]} and not held & {r["prompt"] for r in a["preference"]}
     assert len({r["input"] for r in a["sft"]}) == len(d.addition_pairs()) - 1000  # the rest of the space, all used
+    records = [(r["input"], r["output"]) for r in a["sft"]]
+    assert len(set(records)) == len(records)  # a prompt repeats only with another answer: no line twice
     carrying = d.make_demo_datasets(n_sft=200, n_preference=10, n_prompts=10, add_fraction=1.0, carries=True)
     assert any(d.has_carry(*map(int, r["input"][5:].split("+"))) for r in carrying["sft"])
 
@@ -81,3 +83,5 @@ def test_shipped_files_match_the_generator(tmp_path):
         shipped = (root / "data" / "01_raw" / name).read_bytes()
         assert shipped == (tmp_path / name).read_bytes(), name
         assert len(shipped) < 1_000_000
+        lines = shipped.decode().splitlines()
+        assert len(set(lines)) == len(lines), name  # clean: data_prep's duplicate check finds nothing to warn about

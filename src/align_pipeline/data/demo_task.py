@@ -198,7 +198,9 @@ def make_demo_datasets(
 
     Deterministic for a given seed. Held-out prompts (``prompts``) are drawn first and never occur in the SFT or
     preference data. Reversal prompts are distinct across all three files; addition prompts are distinct within a
-    file until the (small) no-carry space runs out, after which SFT repeats some, and SFT and preference share some.
+    file until the (small) no-carry space runs out, after which SFT repeats some (with another answer: a record that
+    would repeat an earlier one exactly is left out, so ``sft`` may hold fewer than ``n_sft`` records and data_prep's
+    duplicate check finds nothing), and SFT and preference share some.
     A held-out prompt carries its task as ``category`` (``reverse`` / ``add``: evaluation's ``group_by``).
     """
     rng = random.Random(seed)
@@ -207,10 +209,12 @@ def make_demo_datasets(
     sft_prompts = source.draw(n_sft, set(held_out))
     pref_prompts = source.draw(n_preference, set(held_out) | {p for p in sft_prompts if p.startswith(REVERSE_PREFIX)})
 
-    sft = []
+    sft, written = [], set()
     for p in sft_prompts:
         out = wrong_answer_for(p, rng) if rng.random() < wrong_fraction else answer_for(p)
-        sft.append({"input": p, "output": out})
+        if (p, out) not in written:  # an exact repeat teaches nothing new and reads as a data error
+            written.add((p, out))
+            sft.append({"input": p, "output": out})
 
     preference = []
     for p in pref_prompts:
