@@ -76,8 +76,9 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> Dist:
     else:
         device = torch.device("cpu")
         megatron_cpu.activate()
-    if not tdist.is_initialized():
-        tdist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    if not tdist.is_initialized():  # NCCL bound to this rank's GPU (without, every barrier warns that it guesses)
+        tdist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30),
+                                 device_id=device if backend == "nccl" else None)
     world = tdist.get_world_size()
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     check_world(parallel, world, Names(parallel="parallel", world=f"the job's world size {world}"))
