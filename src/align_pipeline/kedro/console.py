@@ -16,6 +16,7 @@ record per line, nothing wrapped. A terminal keeps rich. The MLflow hook calls i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -56,6 +57,19 @@ class ParameterLoads(logging.Filter):
         return not (name.startswith("params:") or name == "parameters")
 
 
+@contextlib.contextmanager
+def catalog_quiet():
+    """Kedro's catalog logs no "Loading data from ..." line inside (a hook reading the catalog for itself, not a node's
+    input the user should see)."""
+    catalog = logging.getLogger("kedro.io.data_catalog")
+    level = catalog.level
+    catalog.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        catalog.setLevel(level)
+
+
 def quiet_parameter_loads() -> None:
     """Install :class:`ParameterLoads` on Kedro's catalog logger (once)."""
     catalog = logging.getLogger("kedro.io.data_catalog")
@@ -63,4 +77,4 @@ def quiet_parameter_loads() -> None:
         catalog.addFilter(ParameterLoads())
 
 
-__all__ = ["ParameterLoads", "plain_logging_when_piped", "quiet_parameter_loads"]
+__all__ = ["ParameterLoads", "catalog_quiet", "plain_logging_when_piped", "quiet_parameter_loads"]

@@ -37,7 +37,7 @@ from kedro.framework.hooks import hook_impl
 
 from align_pipeline.datasets.checkpoint import HFModelDataset
 from align_pipeline.evaluation.gates import GateFailed
-from align_pipeline.kedro.console import plain_logging_when_piped, quiet_parameter_loads
+from align_pipeline.kedro.console import catalog_quiet, plain_logging_when_piped, quiet_parameter_loads
 from align_pipeline.kedro.jobs_hook import NodeOutputs
 from align_pipeline.kedro.model_registry import promote, register
 from align_pipeline.kedro.run_tags import input_lineage, is_checkpoint, join, overrides_for, run_label, runner_name
@@ -116,14 +116,16 @@ class MlflowHook:
     def _registers(self) -> bool:
         """``export.register`` (default true): HF exports are logged as MLflow models and registered."""
         try:
-            return bool(self._catalog.load("params:export").get("register", True))
+            with catalog_quiet():
+                return bool(self._catalog.load("params:export").get("register", True))
         except Exception:  # noqa: BLE001 — no export parameters: the default
             return True
 
     def _latest_promotion(self) -> dict[str, Any] | None:
         """The latest stored ``promoted_policy`` entry (None when the project has none)."""
         try:
-            entry = self._catalog.load(PROMOTED)
+            with catalog_quiet():
+                entry = self._catalog.load(PROMOTED)
         except Exception:  # noqa: BLE001 — never evaluated (no version), or no such entry in this project
             return None
         return entry if isinstance(entry, dict) else None
