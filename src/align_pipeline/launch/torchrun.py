@@ -53,7 +53,7 @@ from align_pipeline.config.base import from_dict
 from align_pipeline.config.common import LaunchConfig
 from align_pipeline.errors import UserError
 from align_pipeline.launch import multinode, slurm, world
-from align_pipeline.launch.env import job_warning_filters
+from align_pipeline.launch.env import job_warning_filters, parallel_env
 from align_pipeline.tracking.mlflow_logger import child_run_env
 from align_pipeline.tracking.runs import log_artifacts_to_active_run
 
@@ -603,6 +603,7 @@ def _launch_locked(module: str, config: Mapping[str, Any], launch: LaunchConfig,
 
     on_slurm = launch.backend == "slurm"
     backend = world.job_backend(launch.dist_backend)  # None (auto): each rank decides on its node
+    env = {**parallel_env(config), **(env or {})}  # on every node (the workers get it through the board)
     job_env = build_env(launch, backend, env)
     job_env["ALIGN_RUN_LOCK"] = str(run_dir / LOCK_NAME)
     if on_slurm:
