@@ -41,3 +41,20 @@ def test_counts_per_metric_and_no_estimate_without_one():
     assert verdict("dpo/response_length", [4.1, 4.2], evaluation, ["a", "b"]) == ""
     assert verdict("dpo/kl_to_reference", [0.07, 0.07], evaluation, ["a", "b"]) == "same"
     assert verdict("dpo/accuracy", [0.3, None], {"dpo/samples": [800.0, None]}, ["a", "b"]) == ""
+
+
+def test_params_only_some_runs_have_are_not_differences():
+    """A run of the whole DAG vs a DPO-only rerun: the sections the rerun never ran are absent there, not different;
+    only dpo.loss.beta differs."""
+    from types import SimpleNamespace
+
+    from align_pipeline.tracking.compare import Experiment, params_diff
+
+    def parent(params):
+        return SimpleNamespace(info=SimpleNamespace(run_id="r"), data=SimpleNamespace(params=params, tags={}))
+
+    full = Experiment(parent({"dpo.loss.beta": "0.1", "sft.training.train_steps": "600", "kedro.env": "local"}))
+    rerun = Experiment(parent({"dpo.loss.beta": "0.3", "kedro.env": "local"}))
+    differing = params_diff([full, rerun])
+    assert differing == {"dpo.loss.beta": ["0.1", "0.3"], "sft.training.train_steps": ["600", "—"]}
+    assert [k for k, v in differing.items() if "—" not in v] == ["dpo.loss.beta"]  # what the report compares

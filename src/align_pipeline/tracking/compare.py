@@ -386,7 +386,10 @@ def write_report(client, experiments: list[Experiment], out_dir: str | Path) -> 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = [e.label for e in experiments]
-    params = params_diff(experiments)
+    differing = params_diff(experiments)
+    # only values every run has are compared: a stage one run did not run has no params there (not a difference)
+    params = {k: v for k, v in differing.items() if "—" not in v}
+    partial = sorted(set(differing) - set(params))
     lineage = lineage_diff(experiments)
     evaluation = evaluation_metrics(experiments)
     finals = final_metrics(experiments)
@@ -397,7 +400,7 @@ def write_report(client, experiments: list[Experiment], out_dir: str | Path) -> 
                          "pipeline": e.parent.data.tags.get("kedro.pipeline"), "status": e.parent.info.status,
                          "outputs": e.outputs, "runs": {n: r.info.run_id for n, r in e.runs().items()},
                          "linked": {n: r.info.run_id for n, r in e.linked.items()}} for e in experiments],
-        "params_diff": params, "lineage_diff": lineage, "evaluation": evaluation, "final_metrics": finals,
+        "params_diff": params, "params_in_some_runs": partial, "lineage_diff": lineage, "evaluation": evaluation, "final_metrics": finals,
         "curves": pictures,
     }
     lines = [f"# Comparison of {len(experiments)} kedro runs", ""]
@@ -428,6 +431,12 @@ def write_report(client, experiments: list[Experiment], out_dir: str | Path) -> 
               else ["No gate results (evaluation.gate, <stage>.gate.* unset)."])
     lines += ["", "## Params that differ", ""]
     lines += _table(["param", *labels], [[k, *v] for k, v in params.items()]) if params else ["None."]
+    if partial:
+        sections = sorted({k.split(".", 1)[0] for k in partial})
+        named = ", ".join(f"`{s}`" for s in sections)
+        note = (f"Not compared: {len(partial)} params that only some of these runs have (sections {named}: stages "
+                "the other runs did not run).")
+        lines += ["", note]
     shared = shared_overrides(experiments)
     summary["shared_overrides"] = shared
     lines += ["", "## Overrides every run shares", ""]
