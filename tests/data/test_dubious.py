@@ -167,17 +167,17 @@ def test_parameter_values():
 
 
 def test_shipped_demo_data():
-    """The demo SFT file repeats some addition lines (make_demo_datasets: the no-carry space runs out); nothing else
-    is dubious. 262 = 4000 lines - 3738 distinct ones, counted independently with a set of the raw lines."""
+    """The shipped demo data is clean: nothing dubious in any file (the generator leaves out an SFT record that would
+    repeat an earlier one; the duplicate count is checked independently with a set of the raw lines)."""
     counts = {}
     for kind in ("sft", "preference", "prompts"):
         path = ROOT / "data" / "01_raw" / f"{kind}.jsonl"
         counts.update(find_dubious(read_raw_jsonl(path, kind)).metrics())
         if kind == "sft":
             raw_lines = [line for line in path.read_text().splitlines() if line.strip()]
-            assert len(raw_lines) - len(set(raw_lines)) == 262
+            assert len(raw_lines) == len(set(raw_lines)) == 3738
     assert counts == {
-        "sft_dubious_duplicates": 262,
+        "sft_dubious_duplicates": 0,
         "sft_dubious_empty_answers": 0,
         "preference_dubious_duplicates": 0,
         "preference_dubious_empty_answers": 0,

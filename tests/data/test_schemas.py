@@ -101,7 +101,7 @@ def test_shipped_raw_files_are_valid():
     from pathlib import Path
 
     raw = Path(__file__).resolve().parents[2] / "data" / "01_raw"
-    assert len(read_raw_jsonl(raw / "sft.jsonl", "sft")) == 4000
+    assert len(read_raw_jsonl(raw / "sft.jsonl", "sft")) == 3738  # 4000 drawn, exact repeats left out
     assert len(read_raw_jsonl(raw / "preference.jsonl", "preference")) == 2000
     assert len(read_raw_jsonl(raw / "prompts.jsonl", "prompts")) == 800
 
