@@ -202,3 +202,105 @@ def test_reinforce_beta_needs_reference():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="needs ref_logp"):
         reinforce_loss(x, torch.zeros(1), x, beta=0.1)
+
+
+# ------------------------------------------------------------------------ rollout-training mismatch (TIS / MIS)
+
+
+def test_rollout_correction_is_the_identity_when_the_engine_agrees_with_the_training_forward():
+    """Engine log-probs equal to the training side: every correction gives the plain loss and gradient, weight 1."""
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    adv = torch.tensor([2.0, -1.0])
+    for old in (None, torch.tensor([[-1.2, -1.7, NAN], [-0.4, NAN, NAN]])):  # on-policy, and the clipped form
+        plain_logp = torch.tensor([[-1.0, -2.0, NAN], [-0.5, NAN, NAN]], requires_grad=True)
+        plain, count, _ = reinforce_loss(plain_logp, adv, mask, old_logp=old)
+        plain.backward()
+        engine = (old if old is not None else plain_logp.detach()).clone()
+        for correction in ("none", "tis", "mis"):
+            logp = torch.tensor([[-1.0, -2.0, NAN], [-0.5, NAN, NAN]], requires_grad=True)
+            loss, _, m = reinforce_loss(logp, adv, mask, old_logp=old, rollout_logp=engine, correction=correction)
+            loss.backward()
+            assert loss.item() == approx(plain.item()), correction
+            close(logp.grad, plain_logp.grad.tolist())
+            assert m["is_weight"].item() == count.item() and m["is_dropped"].item() == 0
+            assert m["logprob_diff"].item() == 0
+
+
+def test_truncated_and_masked_importance_sampling_by_hand():
+    # on-policy: train side = logp (detached). Tokens: row 0 (A=2): logp -1, -2; row 1 (A=-1): logp -0.5.
+    # engine log-probs: -1 - ln 5 (r = 5), -2 + ln 1.5 (r = 1/1.5 = 0.6667), -0.5 - ln 1.5 (r = 1.5)
+    logp = torch.tensor([[-1.0, -2.0, NAN], [-0.5, NAN, NAN]], requires_grad=True)
+    engine = torch.tensor([[-1.0 - math.log(5.0), -2.0 + math.log(1.5), NAN], [-0.5 - math.log(1.5), NAN, NAN]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    adv = torch.tensor([2.0, -1.0])
+    # TIS, C = 2: w = [2, 0.6667, 1.5]; pg_t = -A·logp_t·w_t = [-2·-1·2, -2·-2·(2/3), 1·-0.5·1.5] = [4, 8/3, -0.75]
+    loss, _, m = reinforce_loss(logp, adv, mask, rollout_logp=engine, correction="tis", tis_cap=2.0)
+    assert loss.item() == approx(4 + 8 / 3 - 0.75)
+    assert m["is_weight"].item() == approx(2 + 2 / 3 + 1.5) and m["is_dropped"].item() == 0
+    assert m["logprob_diff"].item() == approx(math.log(5.0) + 2 * math.log(1.5))
+    loss.backward()
+    close(logp.grad, [[-4.0, -4 / 3, 0.0], [1.5, 0.0, 0.0]], tol=1e-5)  # d/dlogp = -A·w
+    # MIS, band [0.5, 2]: r = 5 leaves it (dropped, weight 0), 0.6667 and 1.5 stay with their ratio as weight
+    logp.grad = None
+    loss, _, m = reinforce_loss(logp, adv, mask, rollout_logp=engine, correction="mis", mis_low=0.5, mis_high=2.0)
+    assert loss.item() == approx(8 / 3 - 0.75)
+    assert m["is_dropped"].item() == 1 and m["is_weight"].item() == approx(2 / 3 + 1.5)
+    loss.backward()
+    close(logp.grad, [[0.0, -4 / 3, 0.0], [1.5, 0.0, 0.0]], tol=1e-5)
+    with pytest.raises(ValueError, match="needs rollout_logp"):
+        reinforce_loss(logp, adv, mask, correction="tis")
+
+
+# ------------------------------------------------------------------ DAPO clip-higher, GSPO sequence ratio, CISPO
+
+
+def test_dapo_clip_higher_keeps_the_gradient_of_a_ratio_between_the_two_upper_clips():
+    # one token, A = 1, ρ = 1.25: with ε = 0.2 on both sides it is clipped (loss -1.2, no gradient); with
+    # ε_high = 0.28 it is not (loss -1.25, d/dlogp = -A·ρ = -1.25)
+    old = torch.tensor([[0.0]])
+    mask = torch.tensor([[1]])
+    for high, loss_value, grad, clipped in ((None, -1.2, 0.0, 1.0), (0.28, -1.25, -1.25, 0.0)):
+        logp = torch.tensor([[math.log(1.25)]], requires_grad=True)
+        loss, _, m = reinforce_loss(logp, torch.tensor([1.0]), mask, old_logp=old, clip_eps=0.2, clip_eps_high=high)
+        loss.backward()
+        assert loss.item() == approx(loss_value) and m["clip_fraction"].item() == clipped
+        close(logp.grad, [[grad]], tol=1e-6)
+    # the lower clip stays 1 - ε: A = -1, ρ = 0.7 < 0.8 is clipped either way (loss 0.8, no gradient)
+    logp = torch.tensor([[math.log(0.7)]], requires_grad=True)
+    loss, _, m = reinforce_loss(logp, torch.tensor([-1.0]), mask, old_logp=old, clip_eps=0.2, clip_eps_high=0.28)
+    loss.backward()
+    assert loss.item() == approx(0.8) and m["clip_fraction"].item() == 1 and logp.grad.item() == 0
+
+
+def test_gspo_clips_the_length_normalised_sequence_ratio():
+    # row 0 (A = 1): Δ = logp - old = [0.2, -0.1] -> s = exp(0.05) = 1.0512711 on both tokens, inside [0.8, 1.2]:
+    #   loss = -2·s, d/dlogp_t = -A·s = -1.0512711 each
+    # row 1 (A = 1): Δ = [0.5] -> s = exp(0.5) = 1.6487213 > 1.2: clipped, loss -1.2, no gradient
+    # row 2 (A = -1): Δ = [0.5] -> s = 1.6487213, unclipped term the larger loss: loss +s, d/dlogp = -A·s = +s
+    old = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    logp = torch.tensor([[0.2, -0.1], [0.5, NAN], [0.5, NAN]], requires_grad=True)
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0]])
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    loss, count, m = reinforce_loss(logp, adv, mask, old_logp=old, clip_eps=0.2, ratio_level="sequence")
+    s0, s1 = math.exp(0.05), math.exp(0.5)
+    assert count.item() == 4 and loss.item() == approx(-2 * s0 - 1.2 + s1)
+    assert m["clip_fraction"].item() == 1 and m["ratio"].item() == approx(2 * s0 + 2 * s1)
+    loss.backward()
+    close(logp.grad, [[-s0, -s0], [0.0, 0.0], [s1, 0.0]], tol=1e-5)
+    # per token, row 0's ratios are exp(0.2) = 1.2214 (clipped at 1.2) and exp(-0.1): another loss on the same rows
+    token, _, _ = reinforce_loss(logp, adv, mask, old_logp=old, clip_eps=0.2)
+    assert token.item() == approx(-(1.2 + math.exp(-0.1)) - 1.2 + s1)
+
+
+def test_cispo_clips_the_weight_and_keeps_every_gradient():
+    # ρ = 1.5, A = 2, ε_high = 0.28: weight sg[clip(1.5, 0.8, 1.28)] = 1.28; loss = -A·1.28·logp = -2·1.28·ln 1.5;
+    # d/dlogp = -A·1.28 = -2.56 (PPO's clip would give no gradient here); ρ = 1.1 stays 1.1
+    old = torch.tensor([[0.0, 0.0]])
+    logp = torch.tensor([[math.log(1.5), math.log(1.1)]], requires_grad=True)
+    mask = torch.tensor([[1, 1]])
+    loss, _, m = reinforce_loss(logp, torch.tensor([2.0]), mask, old_logp=old, clip_eps=0.2, clip_eps_high=0.28,
+                                objective="cispo")
+    assert loss.item() == approx(-2 * 1.28 * math.log(1.5) - 2 * 1.1 * math.log(1.1))
+    assert m["clip_fraction"].item() == 1 and m["ratio"].item() == approx(2.6)
+    loss.backward()
+    close(logp.grad, [[-2.56, -2.2]], tol=1e-5)

@@ -87,6 +87,17 @@ def test_dp_stats_means_and_stds(single_process_group):
     assert out["frac"] == pytest.approx(0.25) and "frac_mean" not in out
 
 
+def test_dp_stats_maxima_and_quantiles(single_process_group):
+    stats = DPStats(dist())
+    stats.add_max("diff/max", torch.tensor([[0.5, 9.0], [2.0, 1.0]]), mask=torch.tensor([[1, 0], [1, 1]]))
+    stats.add_max("none/max", torch.tensor([1.0]), mask=torch.tensor([0]))
+    # lengths 1..10: torch.quantile interpolates linearly, p50 = 5.5, p90 = 9.1, max = 10
+    stats.add_quantiles("len", torch.arange(1.0, 11.0), {"p50": 0.5, "p90": 0.9, "max": 1.0})
+    out = stats.reduce()
+    assert out["diff/max"] == 2.0 and math.isnan(out["none/max"])  # 9.0 is outside the mask
+    assert out["len/p50"] == pytest.approx(5.5) and out["len/p90"] == pytest.approx(9.1) and out["len/max"] == 10
+
+
 def test_sequence_rewards_last_and_mean_pooling():
     values = torch.tensor([[10.0, 1.0, 2.0, 3.0, 99.0]]).unsqueeze(-1)  # [1, 5, 1]
     loss_mask = torch.tensor([[0.0, 1.0, 1.0, 0.0, 0.0]])  # labels 1, 2 = input tokens 2, 3 are the response
@@ -211,3 +222,12 @@ def test_run_log_reports_peak_memory_per_phase(tmp_path, monkeypatch, capsys):
     logger = Logger()
     result = RunLog("sft", dist(), logger, total=30, start=0, interval=10).finish(tmp_path, {"step": 30})
     assert "peak_memory_by_phase_gib" not in result and logger.logged == []
+
+
+def test_to_rows_puts_the_engines_logprobs_where_the_loss_mask_is():
+    rows = to_rows([[1, 2, 3], [7]], [[4, 5], [8, 9, 6]], seq_length=6, pad_id=0,
+                   logprobs=[[-0.1, -0.2], [-0.3, -0.4, -0.5]])
+    expected = np.array([[0, 0, -0.1, -0.2, 0, 0], [-0.3, -0.4, -0.5, 0, 0, 0]], dtype=np.float32)
+    assert np.array_equal(rows["rollout_logp"], expected) and rows["rollout_logp"].dtype == np.float32
+    cut = to_rows([[1, 2]], [[3, 4, 5, 6]], seq_length=4, pad_id=0, logprobs=[[-1.0, -2.0, -3.0, -4.0]])
+    assert cut["rollout_logp"].tolist() == [[0.0, -1.0, -2.0, 0.0]]  # the tokens that fit, as loss_mask

@@ -17,17 +17,43 @@ class ReinforceLossConfig:
     estimator: Literal["rloo", "grpo"] = "rloo"
     """rloo: leave-one-out baseline (Ahmadian et al. 2024); grpo: group mean/std normalisation (Shao et al. 2024)."""
     grpo_scale: bool = True
-    """GRPO: divide by the group std (False = Dr. GRPO)."""
+    """GRPO: divide by the group std. False = no division: Dr. GRPO's advantage (Liu et al. 2025); Dr. GRPO also
+    normalises the loss by a constant token budget, which this loss does not (it averages over response tokens)."""
     clip_eps: float = 0.2
-    """Ratio clip when a rollout is used for more than one optimizer step (epochs or minibatches > 1)."""
+    """Ratio clip when a rollout is used for more than one optimizer step (epochs or minibatches > 1): [1 - ε,
+    1 + ε]."""
+    clip_eps_high: float | None = None
+    """The upper clip 1 + ``clip_eps_high`` apart from the lower one (DAPO's "clip-higher", Yu et al. 2025, e.g.
+    0.28 with clip_eps 0.2); None = ``clip_eps``."""
+    objective: Literal["clip", "cispo"] = "clip"
+    """Multi-step form: ``clip`` = PPO's clipped surrogate; ``cispo`` = MiniMax-M1's CISPO, the importance weight
+    clipped to [1 - clip_eps, 1 + clip_eps_high] and detached, every token keeping its gradient."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """``sequence`` = GSPO (Zheng et al. 2025): one length-normalised ratio per response, clipped as a whole."""
     std_eps: float = 1e-6
     """GRPO with ``grpo_scale``: added to the group's std before dividing, A_i = (r_i - mean) / (std + std_eps). It
     bounds the advantages of a group whose scores barely differ (a group of equal scores gets exactly 0 anyway).
     TRL's ``GRPOTrainer`` uses 1e-4; must be > 0."""
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    """The rollout engine's log-probs differ from the training forward's (other kernels): ``tis`` reweights each
+    token's policy gradient by min(π_train / π_rollout, ``tis_cap``) (truncated IS), ``mis`` by that ratio inside
+    [``mis_low``, ``mis_high``] and drops the tokens outside it (masked IS); ``none`` ignores the mismatch (it is
+    reported either way: ``train/logprob_diff``, ``rollout/logprob_diff/*``).
+    (:func:`align_pipeline.losses.reinforce.rollout_correction_weights`)"""
+    tis_cap: float = 2.0
+    """C of ``tis`` (TRL's vllm_importance_sampling_cap: 2)."""
+    mis_low: float = 0.5
+    """Lowest per-token ratio ``mis`` keeps."""
+    mis_high: float = 2.0
+    """Highest per-token ratio ``mis`` keeps."""
 
     def validate(self, where: str = "loss") -> None:
         require_range(self, where, "clip_eps", 0, 1, low_open=True, high_open=True)
         require_range(self, where, "std_eps", 0, low_open=True)
+        require_range(self, where, "clip_eps_high", 0, low_open=True)
+        require_range(self, where, "tis_cap", 0, low_open=True)
+        require_range(self, where, "mis_low", 0, 1, low_open=True)
+        require_range(self, where, "mis_high", 1)
 
 
 @dataclass

@@ -22,12 +22,17 @@ LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 # Helpers of the token-level losses (losses.ppo, losses.reinforce): masked positions become 0 before any arithmetic.
 def clipped_surrogate(
-    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_eps: float
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_eps: float, clip_eps_high: float | None = None,
+    ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token ``(loss, clipped, ratio)`` of PPO eq. 7 on already-filled [B, T] tensors."""
-    ratio = torch.exp(logp - old_logp)  # [B, T]  ρ
+    """Per-token ``(loss, clipped, ratio)`` of PPO eq. 7 on already-filled [B, T] tensors: the ratio clipped to
+    [1 - ``clip_eps``, 1 + ``clip_eps_high``] (``clip_eps_high`` None = ``clip_eps``; DAPO's "clip-higher" decouples
+    them). ``ratio``: a ratio computed by the caller (GSPO's sequence-level one), else π/π_old per token."""
+    if ratio is None:
+        ratio = torch.exp(logp - old_logp)  # [B, T]  ρ
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -adv * ratio  # [B, T]
-    clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)  # [B, T]
+    clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + high)  # [B, T]
     return torch.maximum(unclipped, clipped), (clipped > unclipped).detach(), ratio.detach()
 
 

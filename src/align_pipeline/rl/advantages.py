@@ -190,7 +190,7 @@ def grpo_advantages(scores: torch.Tensor, eps: float = 1e-6, scale: bool = True)
     """GRPO outcome-supervision advantages (Shao et al. 2024, "DeepSeekMath", §4.1.2, the r̃_i under eq. 3)::
 
         A_i = (r_i - mean(r)) / (std(r) + eps)      (scale=True)
-        A_i =  r_i - mean(r)                        (scale=False; "Dr. GRPO", Liu et al. 2025)
+        A_i =  r_i - mean(r)                        (scale=False: Dr. GRPO's advantage, Liu et al. 2025)
 
     over the group of n samples of one prompt; every token of sample i gets A_i.
 

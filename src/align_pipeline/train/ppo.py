@@ -155,6 +155,7 @@ def main(job: PPOJob) -> dict:
         stats.add("rollout/advantages", raw, mask)
         stats.add("rollout/returns", returns, mask)
         stats.add("rollout/values", values, mask)
+        rollout.mismatch_stats(stats, r.rows, old_logp)  # the training forward vs the engine's log-probs
         m = {**stats.reduce(), "rollout/kl_beta": beta}
         kl_ctl.update(m["rollout/init_policy_kl"], n_steps=rl.prompts_per_iteration * gen.samples_per_prompt)
         # 4. epochs x minibatches: the actor's steps (after the critic's warm-up), then the critic's, over the same

@@ -43,7 +43,8 @@ def group_advantages(cfg: ReinforceConfig, scores: torch.Tensor) -> torch.Tensor
 
 
 def policy_loss(cfg: ReinforceConfig, vocab_size: int, tp_rank: int, clipped: bool):
-    """(module, rows) -> (logits, loss_fn): the REINFORCE loss (clipped ratio when ``clipped``) + beta x KL."""
+    """(module, rows) -> (logits, loss_fn): the REINFORCE loss (clipped ratio when ``clipped``) + beta x KL, with the
+    rollout engine's log-probs for the mismatch metrics and ``loss.rollout_correction``."""
 
     def forward_loss(module, batch):
         logits = run(module, batch["input_ids"])  # [b, s, V/tp]
@@ -52,7 +53,11 @@ def policy_loss(cfg: ReinforceConfig, vocab_size: int, tp_rank: int, clipped: bo
             logp = -token_nll(logits, batch["labels"], vocab_size, tp_rank)  # [b, s]
             return reinforce_loss(logp, batch["advantages"], batch["loss_mask"], ref_logp=batch["ref_logp"],
                                   beta=cfg.kl.beta, estimator=cfg.kl.estimator,
-                                  old_logp=batch["old_logp"] if clipped else None, clip_eps=cfg.loss.clip_eps)
+                                  old_logp=batch["old_logp"] if clipped else None, clip_eps=cfg.loss.clip_eps,
+                                  clip_eps_high=cfg.loss.clip_eps_high, objective=cfg.loss.objective,
+                                  ratio_level=cfg.loss.ratio_level,
+                                  rollout_logp=batch["rollout_logp"], correction=cfg.loss.rollout_correction,
+                                  tis_cap=cfg.loss.tis_cap, mis_low=cfg.loss.mis_low, mis_high=cfg.loss.mis_high)
 
         return logits, loss_fn
 
@@ -69,7 +74,8 @@ def main(job: ReinforceJob) -> dict:
                             lora=cfg.lora)
     stage.load_scoring()
     clipped = rl.steps_per_iteration > 1  # the rollout policy differs from the policy after the first step
-    metric_names = ["pg_loss", "kl"] + (["clip_fraction", "ratio"] if clipped else [])
+    metric_names = ["pg_loss", "kl", "logprob_diff", "is_weight", "is_dropped"] + (
+        ["clip_fraction", "ratio"] if clipped else [])
     offload = stage.offload([actor.optimizer])
     loss = policy_loss(cfg, stage.vocab, dist.tp_rank, clipped)
     ckpts = Checkpoints.for_rl({"actor": (actor, stage.run_dir / "actor")}, rl, job, "reinforce", dist)
@@ -80,7 +86,9 @@ def main(job: ReinforceJob) -> dict:
     while iteration < rl.iterations:
         t0, timings = time.perf_counter(), Timings()
         # 1-2. rollout; its scores and the per-token log-probs of the rollout policy and the reference
-        r, scores, old_logp, ref_logp, _ = stage.rollout_and_score(actor, iteration, timings, offload)
+        # (on-policy, old_logp is the engine's: the training step's forward is the only other one)
+        r, scores, old_logp, ref_logp, _ = stage.rollout_and_score(actor, iteration, timings, offload,
+                                                                   old_forward=clipped)
         # 3. one advantage per sample from its group
         mask = r.rows["loss_mask"]
         advantages = group_advantages(cfg, scores.total)  # [n]
@@ -89,6 +97,8 @@ def main(job: ReinforceJob) -> dict:
         stats.add("rollout/init_policy_kl", (kl_penalty(old_logp, ref_logp, "k1") * mask).sum(-1), std=False)
         stats.add("rollout/advantages", advantages)
         stats.add("rollout/fraction_of_groups_without_signal", groups_without_signal(groups).double(), std=False)
+        if clipped:  # the training forward ran over the rollout: its mismatch with the engine
+            rollout.mismatch_stats(stats, r.rows, old_logp)
         m = stats.reduce()
         # 4. epochs x minibatches of policy steps over a seeded order
         rows = {**r.rows, "advantages": advantages, "ref_logp": ref_logp, "old_logp": old_logp}

@@ -240,8 +240,10 @@ class PromptStream:
         return iteration * self.per_iteration
 
 
-def to_rows(prompt_ids: list[list[int]], responses: list[list[int]], seq_length: int, pad_id: int) -> dict:
-    """prompt + response token lists -> right-padded input_ids/labels/loss_mask [n, s] numpy arrays.
+def to_rows(prompt_ids: list[list[int]], responses: list[list[int]], seq_length: int, pad_id: int,
+            logprobs: list[list[float]] | None = None) -> dict:
+    """prompt + response token lists -> right-padded input_ids/labels/loss_mask [n, s] numpy arrays (+ with
+    ``logprobs``, one per response token, ``rollout_logp`` [n, s] float32 at the same positions, 0 elsewhere).
 
     ``loss_mask[i, t] = 1`` when label t (= token t+1) is a response token, so per-token tensors of the RL math
     ([n, s], position t = the action y_{t+1} taken in state ids[:t+1]) line up with the model's outputs at input
@@ -250,13 +252,20 @@ def to_rows(prompt_ids: list[list[int]], responses: list[list[int]], seq_length:
     n = len(prompt_ids)
     ids = np.full((n, seq_length), pad_id, dtype=np.int64)
     mask = np.zeros((n, seq_length), dtype=np.float32)
+    engine = np.zeros((n, seq_length), dtype=np.float32) if logprobs is not None else None
     for i, (p, r) in enumerate(zip(prompt_ids, responses)):
         seq = (p + r)[:seq_length]
         ids[i, : len(seq)] = seq
         mask[i, len(p) - 1 : len(seq) - 1] = 1.0  # label t = token t+1 is a response token
+        if engine is not None:
+            kept = len(seq) - len(p)  # response tokens that fit
+            engine[i, len(p) - 1 : len(seq) - 1] = logprobs[i][:kept]
     labels = np.full_like(ids, pad_id)
     labels[:, :-1] = ids[:, 1:]
-    return {"input_ids": ids, "labels": labels, "loss_mask": mask}
+    rows = {"input_ids": ids, "labels": labels, "loss_mask": mask}
+    if engine is not None:
+        rows["rollout_logp"] = engine
+    return rows
 
 
 def split_rows(rows: dict[str, torch.Tensor], micro_batch_size: int, order: torch.Tensor | None = None) -> list[dict]:

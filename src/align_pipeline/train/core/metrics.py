@@ -17,13 +17,27 @@ class DPStats:
     """Accumulate sums of (value, count) pairs on each DP rank and reduce them in one all-reduce.
 
     ``add(name, values, mask)`` records Σ v, Σ v² and the count; :meth:`reduce` returns ``name_mean`` /
-    ``name_std`` (or just ``name`` with ``std=False``, or the sum Σ v with ``total=True``) over every DP rank's rows.
-    Entries outside ``mask`` never reach the sums (they may be NaN).
+    ``name_std`` (or just ``name`` with ``std=False``, or the sum Σ v with ``total=True``) over every DP rank's rows;
+    ``add_max`` records a maximum (its own all-reduce). Entries outside ``mask`` never reach the sums (they may be NaN).
     """
 
     def __init__(self, dist: Dist):
         self.dist = dist
         self._entries: list[tuple[str, str, torch.Tensor]] = []
+        self._maxima: list[tuple[str, torch.Tensor]] = []
+        self._quantiles: list[tuple[str, torch.Tensor, dict[str, float]]] = []
+
+    def add_quantiles(self, name: str, values: torch.Tensor, quantiles: dict[str, float]) -> None:
+        """``<name>/<key>`` = the ``q`` quantile of ``values`` over every DP rank (gathered: for small [n] tensors such
+        as response lengths), for each ``key: q`` of ``quantiles``."""
+        self._quantiles.append((name, values.detach().double().flatten(), quantiles))
+
+    def add_max(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """``name`` = the largest value inside ``mask`` over every DP rank (NaN when there is none)."""
+        v = values.detach().double()
+        inside = torch.ones_like(v, dtype=torch.bool) if mask is None else mask.detach() != 0
+        self._maxima.append((name, torch.where(inside, v, float("-inf")).max() if v.numel() else
+                             torch.tensor(float("-inf"), dtype=torch.float64, device=v.device)))
 
     def add(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None, std: bool = True,
             total: bool = False) -> None:
@@ -33,12 +47,37 @@ class DPStats:
         kind = "total" if total else "mean_std" if std else "mean"
         self._entries.append((name, kind, torch.stack([(v * m).sum(), (v * v * m).sum(), m.sum()])))
 
+    def _gathered(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` of every DP rank, concatenated (ranks may hold different counts)."""
+        group = self.dist.pgs.dp
+        size = tdist.get_world_size(group)
+        values = values.to(self.dist.device)
+        if size == 1:
+            return values
+        counts = [torch.zeros(1, dtype=torch.int64, device=self.dist.device) for _ in range(size)]
+        tdist.all_gather(counts, torch.tensor([values.numel()], device=self.dist.device), group=group)
+        longest = int(max(c.item() for c in counts))
+        padded = torch.zeros(longest, dtype=values.dtype, device=self.dist.device)
+        padded[: values.numel()] = values
+        parts = [torch.empty_like(padded) for _ in range(size)]
+        tdist.all_gather(parts, padded, group=group)
+        return torch.cat([p[: int(c.item())] for p, c in zip(parts, counts)])
+
     def reduce(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, values, quantiles in self._quantiles:
+            every = self._gathered(values)
+            for key, q in quantiles.items():
+                out[f"{name}/{key}"] = float(torch.quantile(every, q)) if every.numel() else float("nan")
+        if self._maxima:
+            maxima = torch.stack([x for _, x in self._maxima]).to(self.dist.device)  # [k]
+            tdist.all_reduce(maxima, op=tdist.ReduceOp.MAX, group=self.dist.pgs.dp)
+            out.update({name: (x if x != float("-inf") else float("nan"))
+                        for (name, _), x in zip(self._maxima, maxima.tolist())})
         if not self._entries:
-            return {}
+            return out
         stacked = torch.stack([e[2] for e in self._entries]).to(self.dist.device)  # [k, 3]
         tdist.all_reduce(stacked, group=self.dist.pgs.dp)
-        out = {}
         for (name, kind, _), (s, s2, c) in zip(self._entries, stacked.tolist()):
             mean = s / c if c else float("nan")
             if kind == "total":

@@ -81,10 +81,14 @@ class RLStage:
         return iteration, state
 
     def rollout_and_score(self, actor: Trainable, iteration: int, timings: Timings, offload: Offload,
-                          also: Callable[[dict], Any] | None = None):
+                          also: Callable[[dict], Any] | None = None, old_forward: bool = True):
         """Steps 1-2: this DP rank's rollout (optimizer states offloaded while generating), then its scores and the
         per-token log-probs of the rollout policy and the KL reference [n, s] (+ ``also(rows)``, e.g. the critic's
-        values), the frozen models on the device only meanwhile -> (rollout, scores, old_logp, ref_logp, also)."""
+        values), the frozen models on the device only meanwhile -> (rollout, scores, old_logp, ref_logp, also).
+
+        ``old_forward=False`` (one optimizer step per rollout: the "old" policy is the one being trained, whose
+        log-probs the training step's own forward computes) skips the training forward over the rollout: old_logp
+        is then the engine's own log-probs (``rows["rollout_logp"]``), for the metrics that need one."""
         dist, gen, vocab, mbs = self.dist, self.gen, self.vocab, self.mbs
         offload.optimizers_to("cpu")
         with timings("timing/generate_s"):
@@ -93,7 +97,8 @@ class RLStage:
         with timings("timing/score_s"):
             offload.frozen_to(dist.device)
             scores = rollout.score(r, self.cfg.reward, self.reward_fns, self.rm, self.rm_forward, mbs, dist)
-            old_logp = rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist)  # [n, s]
+            old_logp = (rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist) if old_forward  # [n, s]
+                        else r.rows["rollout_logp"])
             ref_logp = rollout.reference_logprobs(self.reference, actor.model, r.rows, vocab, mbs, dist)  # [n, s]
             extra = also(r.rows) if also is not None else None
             offload.frozen_to("cpu")

@@ -53,7 +53,7 @@ def generate_rollout(policy, records: list[dict], gen: GenerationConfig, tok, vo
     if longest >= seq_length:
         raise ValueError(f"a prompt has {longest} tokens; the model's seq_length {seq_length} leaves no room")
     max_new = min(gen.max_new_tokens, seq_length - longest)
-    tokens, eos = [], []
+    tokens, eos, logprobs = [], [], []
     for start in range(0, len(prompts), gen.batch_size):
         g = generate(policy, prompts[start : start + gen.batch_size], max_new_tokens=max_new, eos_id=tok.stop_ids,
                      pad_id=tok.pad_id, vocab_size=vocab_size, temperature=gen.temperature, top_k=gen.top_k,
@@ -61,7 +61,8 @@ def generate_rollout(policy, records: list[dict], gen: GenerationConfig, tok, vo
                      tp_group=dist.pgs.tp)
         tokens += g.tokens
         eos += g.ended_with_eos
-    arrays = to_rows(prompts, tokens, seq_length, tok.pad_id)
+        logprobs += g.logprobs
+    arrays = to_rows(prompts, tokens, seq_length, tok.pad_id, logprobs)
     rows = {k: torch.from_numpy(v).to(dist.device) for k, v in arrays.items()}
     return Rollout(row_records, tokens, eos, rows, [tok.decode(t) for t in tokens])
 
@@ -139,11 +140,26 @@ def token_values(model, rows: dict, micro_batch_size: int, dist: Dist) -> torch.
     return forward_rows(model, rows, token_values_forward(), micro_batch_size, dist)
 
 
+def mismatch_stats(stats: DPStats, rows: dict, train_logp: torch.Tensor) -> None:
+    """The rollout-training mismatch of one rollout: ``rollout/logprob_diff/{mean,max}`` (|training forward − engine|
+    log-prob per response token) and ``rollout/seq_ratio/{mean,max}`` (π_train / π_rollout of each whole response,
+    exp of the summed difference, its exponent clamped to ±20)."""
+    mask = rows["loss_mask"]
+    diff = torch.where(mask != 0, train_logp - rows["rollout_logp"], 0.0)  # [n, s]
+    stats.add("rollout/logprob_diff/mean", diff.abs(), mask, std=False)
+    stats.add_max("rollout/logprob_diff/max", diff.abs(), mask)
+    seq_ratio = torch.exp(diff.double().sum(-1).clamp(-20.0, 20.0))  # [n]
+    stats.add("rollout/seq_ratio/mean", seq_ratio, std=False)
+    stats.add_max("rollout/seq_ratio/max", seq_ratio)
+
+
 def rollout_stats(r: Rollout, scores: Scores, rewards: RewardFunctions, dist: Dist) -> DPStats:
     """The rollout metrics every RL stage reports (a stage adds its own before ``reduce()``): ``rollout/accuracy``
     with an accuracy function, ``rollout/reward_<function>`` per function when there are several, and
     ``rollout/nonfinite_rewards``: how many samples of the rollout (all DP ranks) had a NaN or infinite reward (they
-    get advantage 0 and are left out of the baselines and of the reward means)."""
+    get advantage 0 and are left out of the baselines and of the reward means), and the response length distribution
+    ``rollout/response_length/{mean,p50,p90,max,clip_fraction}`` (tokens; clip_fraction: the share cut off at the
+    generation limit, without a stop id)."""
     stats = DPStats(dist)
     finite = torch.isfinite(scores.total)  # [n]
     stats.add("rollout/rewards", scores.total, finite)
@@ -156,9 +172,13 @@ def rollout_stats(r: Rollout, scores: Scores, rewards: RewardFunctions, dist: Di
             stats.add(f"rollout/reward_{term.key}", values, torch.isfinite(values), std=False)
     if scores.rm is not None:
         stats.add("rollout/reward_model_score", scores.rm, torch.isfinite(scores.rm), std=False)
-    stats.add("rollout/response_lengths", r.rows["loss_mask"].sum(-1), std=False)
-    stats.add("rollout/fraction_of_samples_properly_ended",
-              torch.tensor(r.ended_with_eos, dtype=torch.float64, device=dist.device), std=False)
+    lengths = r.rows["loss_mask"].sum(-1)  # [n]
+    ended = torch.tensor(r.ended_with_eos, dtype=torch.float64, device=dist.device)  # [n]
+    stats.add("rollout/response_lengths", lengths, std=False)
+    stats.add("rollout/fraction_of_samples_properly_ended", ended, std=False)
+    stats.add("rollout/response_length/mean", lengths, std=False)
+    stats.add_quantiles("rollout/response_length", lengths, {"p50": 0.5, "p90": 0.9, "max": 1.0})
+    stats.add("rollout/response_length/clip_fraction", 1.0 - ended, std=False)
     return stats
 
 
