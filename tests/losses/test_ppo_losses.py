@@ -304,3 +304,23 @@ def test_cispo_clips_the_weight_and_keeps_every_gradient():
     assert m["clip_fraction"].item() == 1 and m["ratio"].item() == approx(2.6)
     loss.backward()
     close(logp.grad, [[-2.56, -2.2]], tol=1e-5)
+
+
+def test_loss_aggregation_modes_by_hand():
+    # A = 1 on both rows, logp = -l: per-token losses l = [1, 3] (row 0) and [5] (row 1); the trainer divides the
+    # summed loss by the summed count
+    logp = torch.tensor([[-1.0, -3.0], [-5.0, NAN]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.tensor([1.0, 1.0])
+    expected = {"token_mean": (9.0, 3, 9 / 3),              # (1 + 3 + 5) / 3 tokens
+                "seq_mean_token_mean": (7.0, 2, 7 / 2),     # (4/2 + 5/1) / 2 responses
+                "seq_mean_token_sum": (9.0, 2, 9 / 2),      # (4 + 5) / 2 responses
+                "dr_grpo": (9.0, 8, 9 / 8)}                 # (4 + 5) / (2 responses x 4 max tokens)
+    for aggregation, (loss_sum, count, mean) in expected.items():
+        loss, n, m = reinforce_loss(logp, adv, mask, aggregation=aggregation, max_tokens=4)
+        assert (loss.item(), n.item()) == (approx(loss_sum), count), aggregation
+        assert loss.item() / n.item() == approx(mean)
+        assert m["pg_loss"].item() == approx(9.0)  # metrics stay per-token sums ...
+        assert aggregation == "token_mean" or m["_tokens"].item() == 3  # ... over the tokens the trainer is told
+    with pytest.raises(ValueError, match="max_tokens"):
+        reinforce_loss(logp, adv, mask, aggregation="dr_grpo")

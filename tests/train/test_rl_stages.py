@@ -244,3 +244,21 @@ def test_reinforce_multi_step_objectives_and_rollout_corrections_run(models, tmp
     assert all(math.isfinite(v) for v in it.values()), it
     assert "train/clip_fraction" in it and 0 <= it["rollout/logprob_diff/mean"] < 1e-3, it
     assert it["train/is_weight"] == pytest.approx(1.0, abs=1e-3) and it["train/is_dropped"] == 0
+
+
+def test_loss_aggregation_changes_the_gradient_not_the_per_token_metrics(models, tmp_path):
+    """One on-policy step per rollout from the same start: the per-token metrics (pg_loss, kl) are the same whatever
+    the aggregation; the gradient (its norm) is not."""
+    firsts = {}
+    for aggregation in ("token_mean", "seq_mean_token_mean", "dr_grpo"):
+        job = reinforce_job(models, tmp_path / aggregation, iterations=1,
+                            loss=ReinforceLossConfig(estimator="grpo", aggregation=aggregation),
+                            rl=RLLoopConfig(seed=3, iterations=1, prompts_per_iteration=8, epochs=1, minibatches=1,
+                                            micro_batch_size=4, eval_interval=0, eval_prompts=8, save_interval=0))
+        (firsts[aggregation],) = run("reinforce", job)["history"]
+    base = firsts["token_mean"]
+    for aggregation, it in firsts.items():
+        assert it["train/pg_loss"] == pytest.approx(base["train/pg_loss"], rel=1e-5, abs=1e-7), aggregation
+        assert it["train/kl"] == pytest.approx(base["train/kl"], rel=1e-5, abs=1e-9), aggregation
+    assert firsts["seq_mean_token_mean"]["train/grad_norm"] != pytest.approx(base["train/grad_norm"], rel=1e-3)
+    assert firsts["dr_grpo"]["train/grad_norm"] != pytest.approx(base["train/grad_norm"], rel=1e-3)

@@ -18,7 +18,7 @@ class ReinforceLossConfig:
     """rloo: leave-one-out baseline (Ahmadian et al. 2024); grpo: group mean/std normalisation (Shao et al. 2024)."""
     grpo_scale: bool = True
     """GRPO: divide by the group std. False = no division: Dr. GRPO's advantage (Liu et al. 2025); Dr. GRPO also
-    normalises the loss by a constant token budget, which this loss does not (it averages over response tokens)."""
+    normalises the loss by a constant token budget: ``aggregation: dr_grpo``."""
     clip_eps: float = 0.2
     """Ratio clip when a rollout is used for more than one optimizer step (epochs or minibatches > 1): [1 - ε,
     1 + ε]."""
@@ -30,6 +30,11 @@ class ReinforceLossConfig:
     clipped to [1 - clip_eps, 1 + clip_eps_high] and detached, every token keeping its gradient."""
     ratio_level: Literal["token", "sequence"] = "token"
     """``sequence`` = GSPO (Zheng et al. 2025): one length-normalised ratio per response, clipped as a whole."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"] = "token_mean"
+    """How per-token losses become the step's loss (:func:`align_pipeline.losses.reinforce.reinforce_loss`):
+    ``token_mean`` over every response token (DAPO; TRL ``dapo``), ``seq_mean_token_mean`` (per-response mean, then
+    over responses: GRPO's paper; TRL ``grpo``), ``seq_mean_token_sum``, ``dr_grpo`` (sum over tokens divided by
+    responses x ``generation.max_new_tokens``: Dr. GRPO's constant normaliser; TRL ``dr_grpo``)."""
     std_eps: float = 1e-6
     """GRPO with ``grpo_scale``: added to the group's std before dividing, A_i = (r_i - mean) / (std + std_eps). It
     bounds the advantages of a group whose scores barely differ (a group of equal scores gets exactly 0 anyway).

@@ -24,6 +24,7 @@ from align_pipeline.rl.kl import KLEstimator, kl_penalty
 
 RolloutCorrection = Literal["none", "tis", "mis"]
 Objective = Literal["clip", "cispo"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"]
 RatioLevel = Literal["token", "sequence"]
 
 
@@ -76,6 +77,8 @@ def reinforce_loss(
     clip_eps_high: float | None = None,
     objective: Objective = "clip",
     ratio_level: RatioLevel = "token",
+    aggregation: Aggregation = "token_mean",
+    max_tokens: int | None = None,
     rollout_logp: torch.Tensor | None = None,
     correction: RolloutCorrection = "none",
     tis_cap: float = 2.0,
@@ -115,13 +118,24 @@ def reinforce_loss(
         loss_t = -sg[clip(ρ_t, 1 - ε, 1 + ε_high)] · A · logπ_θ(y_t) (``clip_fraction``: weights that were clipped).
       ratio_level: ``"token"`` (ρ_t per token) or ``"sequence"`` (GSPO: :func:`sequence_ratio`, one ratio per
         response, clipped as a whole; TRL's ``importance_sampling_level="sequence"``).
+      aggregation: how the per-token losses l_i,t of the step's responses y_i become one number (the returned
+        ``count`` is what the trainer divides the summed loss by, over every micro-batch and DP rank)::
+
+            token_mean            Σ_i Σ_t l_i,t / Σ_i |y_i|        (DAPO's token-level loss; TRL loss_type="dapo")
+            seq_mean_token_mean   Σ_i (Σ_t l_i,t / |y_i|) / N      (DeepSeekMath eq. 3; TRL loss_type="grpo")
+            seq_mean_token_sum    Σ_i Σ_t l_i,t / N
+            dr_grpo               Σ_i Σ_t l_i,t / (N · max_tokens) (Dr. GRPO, Liu et al. 2025: a constant
+                                                                   normaliser, the generation budget; TRL "dr_grpo")
+
+        N = responses with at least one token. The metrics stay per-token sums (``_tokens`` tells the trainer).
+      max_tokens: the constant of ``dr_grpo`` (the generation budget, ``generation.max_new_tokens``).
       rollout_logp: [B, T], the rollout engine's log-probs of the sampled tokens (what it sampled from). When given,
         the mismatch with the training side (``old_logp``, else this forward's ``logp``, detached: on-policy they are
         the same policy) is reported, and ``correction`` may reweight the policy-gradient term per token
         (:func:`rollout_correction_weights`: ``"tis"`` with cap ``tis_cap``, ``"mis"`` with the band
         [``mis_low``, ``mis_high``]). The KL term is not reweighted.
 
-    Returns ``(loss_sum, count = response tokens, metrics)``; metrics: ``pg_loss`` (Σ of the policy-gradient term),
+    Returns ``(loss_sum, count, metrics)`` (count: response tokens, or per ``aggregation``); metrics: ``pg_loss`` (Σ of the policy-gradient term),
     ``kl`` (Σ KL_t, unweighted; 0 without ``ref_logp``), with ``old_logp`` also ``clip_fraction`` and ``ratio``,
     and with ``rollout_logp`` also ``logprob_diff`` (Σ |train − rollout| log-prob), ``is_weight`` (Σ w_t) and
     ``is_dropped`` (tokens ``"mis"`` left out).
@@ -183,9 +197,25 @@ def reinforce_loss(
         kl_sum = masked_sum(kl.detach(), m)
     else:
         kl_sum = torch.zeros((), dtype=dtype, device=logp.device)
-    loss_sum = masked_sum(losses, m)  # []
     metrics = {"pg_loss": masked_sum(pg.detach(), m), "kl": kl_sum, **metrics}
-    return loss_sum, count_tokens(m), metrics
+    if aggregation == "token_mean":
+        return masked_sum(losses, m), count_tokens(m), metrics
+    per_seq = torch.where(m, losses, 0.0).sum(-1)  # [B]
+    lengths = m.sum(-1)  # [B]
+    answered = lengths > 0  # [B]
+    responses = answered.sum().to(torch.int)
+    if aggregation == "seq_mean_token_mean":
+        loss_sum, count = (per_seq[answered] / lengths[answered]).sum(), responses
+    elif aggregation == "seq_mean_token_sum":
+        loss_sum, count = per_seq.sum(), responses
+    elif aggregation == "dr_grpo":
+        if not max_tokens or max_tokens < 1:
+            raise ValueError(f"reinforce_loss: aggregation='dr_grpo' needs max_tokens >= 1, got {max_tokens}")
+        loss_sum, count = per_seq.sum(), responses * int(max_tokens)
+    else:
+        raise ValueError(f"reinforce_loss: unknown aggregation {aggregation!r}")
+    metrics["_tokens"] = count_tokens(m).to(dtype)  # the metrics stay per-token sums
+    return loss_sum, count, metrics
 
 
 # --------------------------------------------------------------------------------------------------------------------

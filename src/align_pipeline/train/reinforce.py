@@ -55,7 +55,8 @@ def policy_loss(cfg: ReinforceConfig, vocab_size: int, tp_rank: int, clipped: bo
                                   beta=cfg.kl.beta, estimator=cfg.kl.estimator,
                                   old_logp=batch["old_logp"] if clipped else None, clip_eps=cfg.loss.clip_eps,
                                   clip_eps_high=cfg.loss.clip_eps_high, objective=cfg.loss.objective,
-                                  ratio_level=cfg.loss.ratio_level,
+                                  ratio_level=cfg.loss.ratio_level, aggregation=cfg.loss.aggregation,
+                                  max_tokens=cfg.generation.max_new_tokens,
                                   rollout_logp=batch["rollout_logp"], correction=cfg.loss.rollout_correction,
                                   tis_cap=cfg.loss.tis_cap, mis_low=cfg.loss.mis_low, mis_high=cfg.loss.mis_high)
 

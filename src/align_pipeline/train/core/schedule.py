@@ -21,6 +21,9 @@ from align_pipeline.train.core.batches import ArrayBatches, split_rows
 from align_pipeline.train.core.distributed import Dist
 
 COUNT_KEY = "_count"
+TOKENS_KEY = "_tokens"
+"""A loss may report the count its *metrics* are sums over (``metrics["_tokens"]``) when its gradient's count is
+another one (a sequence-level loss aggregation: count = sequences, metrics per token); absent, it is the count."""
 
 ForwardLoss = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, Callable[[torch.Tensor], LossOutput]]]
 
@@ -38,7 +41,8 @@ def run_microbatches(
 
     ``forward_loss(module, batch)`` returns ``(output_tensor, loss_fn)`` where ``loss_fn(output_tensor)`` is a loss
     from ``align_pipeline.losses`` (sum, count, metric sums). Returns ``{name: sum/count}`` over every micro-batch and
-    DP rank, plus ``count`` (the total count); only gradients' normalisation is left to Megatron.
+    DP rank (over the metrics' own count, :data:`TOKENS_KEY`, where the loss gives one), plus ``count`` (the total
+    count); only gradients' normalisation (by the total count) is left to Megatron.
     """
 
     def forward_step(data_iterator, module):
@@ -56,15 +60,16 @@ def run_microbatches(
         micro_batch_size=rows,
         forward_only=forward_only,
     )
-    names = list(metric_names) + [COUNT_KEY]
+    names = list(metric_names) + [COUNT_KEY, TOKENS_KEY]
     sums = torch.zeros(len(names), dtype=torch.float64, device=dist.device)
     if dist.is_last_stage and dist.tp_rank == 0:
         for report in store:
             for i, name in enumerate(names):
-                sums[i] += report[name].double()
+                value = report.get(TOKENS_KEY, report[COUNT_KEY]) if name == TOKENS_KEY else report[name]
+                sums[i] += value.double()
     tdist.all_reduce(sums)
-    count = sums[-1].item()
-    out = {name: (sums[i].item() / count if count > 0 else float("nan")) for i, name in enumerate(metric_names)}
+    count, tokens = sums[-2].item(), sums[-1].item()
+    out = {name: (sums[i].item() / tokens if tokens > 0 else float("nan")) for i, name in enumerate(metric_names)}
     out["count"] = count
     return out
 
