@@ -6,7 +6,9 @@ Built-ins (``align_pipeline.rewards:<name>``):
 * :func:`exact_match` – 1.0 when the response (cut at EOS, stripped) equals ``record["answer"]``;
 * :func:`math_answer` – 1.0 when the response's final answer (last ``\boxed{}``, else ``#### n``, else the last
   number) equals the record's answer (a number, a GSM8K solution ending in ``#### n`` or a ``\boxed{}``),
-  numerically when both are numbers.
+  numerically when both are numbers;
+* :func:`math_verify` – 1.0 when Hugging Face's ``math-verify`` finds the response's answer mathematically equivalent
+  to the record's (LaTeX, expressions, sets; the optional extra ``math``).
 
 A stage weighs several of them (``reward.functions: [{name, weight}]``) and names one, the accuracy function, whose
 value >= 1 marks a response correct (:class:`align_pipeline.config.common.ScoringConfig`). See :mod:`.base` for the
@@ -26,6 +28,7 @@ _EXPORTS = {
     "final_answer": "math_answers",
     "load_reward_function": "base",
     "math_answer": "math_answers",
+    "math_verify": "verified_math",
     "metric_key": "base",
     "reference_answer": "math_answers",
     "required_fields": "base",
