@@ -210,3 +210,14 @@ def test_rl_and_ppo_losses_import_no_megatron_or_distributed():
                 names = [node.module or ""]
             for name in names:
                 assert not name.startswith(("megatron", "torch.distributed")), f"{path.name} imports {name}"
+
+
+def test_dapo_overlong_shaping_by_hand():
+    from align_pipeline.rl.advantages import overlong_shaping
+
+    # L_max = 20, L_cache = 4: no penalty up to 16 tokens, then (16 - |y|) / 4: 17 -> -0.25, 18 -> -0.5, 20 -> -1;
+    # beyond the budget -1
+    lengths = torch.tensor([3, 16, 17, 18, 20, 25])
+    assert overlong_shaping(lengths, 20, 4).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_shaping(lengths, 20, 0)

@@ -3,6 +3,7 @@ stream, DP statistics, sequence rewards and the vocab-parallel entropy, with han
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -164,6 +165,22 @@ def test_score_without_reward_functions_has_no_accuracy_and_needs_no_answer(sing
     assert s.total.tolist() == [0.0, -1.0] and s.correct is None and s.functions is None
     out = rollout_stats(r, s, fns, dist()).reduce()
     assert "rollout/accuracy" not in out and out["rollout/rewards_mean"] == pytest.approx(-0.5)
+
+
+def test_score_adds_dapos_overlong_punishment_over_the_budget(single_process_group):
+    # budget 8, buffer 4: lengths 3, 5, 7, 8 -> R_length 0, -0.25, -0.75, -1; scaled by overlong_penalty 0.5
+    cfg = from_dict(RewardConfig, {"reward_model_weight": 0.0, "overlong_buffer": 4, "overlong_penalty": 0.5,
+                                   "functions": [{"name": "align_pipeline.rewards:exact_match", "weight": 1.0}]})
+    fns = RewardFunctions.load(cfg, "reward")
+    rec = {"prompt": "say x", "answer": "x", "prompt_ids": [1]}
+    r = Rollout([rec] * 4, [[5] * n for n in (3, 5, 7, 8)], [True] * 4, {"loss_mask": torch.ones(4, 8)},
+                ["x", "x", "y", "x"])
+    s = score(r, cfg, fns, None, None, 2, dist(), max_tokens=8)
+    assert s.overlong.tolist() == [0.0, -0.25, -0.75, -1.0]
+    assert s.total.tolist() == pytest.approx([1.0, 1 - 0.125, 0 - 0.375, 1 - 0.5])
+    assert rollout_stats(r, s, fns, dist()).reduce()["rollout/overlong_shaping"] == pytest.approx(-0.5)
+    off = score(r, dataclasses.replace(cfg, overlong_buffer=0), fns, None, None, 2, dist(), max_tokens=8)
+    assert off.overlong is None and off.total.tolist() == [1.0, 1.0, 0.0, 1.0]
 
 
 def test_pair_batch_stacks_chosen_over_rejected():

@@ -429,10 +429,18 @@ class RewardConfig(ScoringConfig):
     reward model; 0 = not used)."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of a response that stopped at ``max_new_tokens`` without EOS."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (:func:`align_pipeline.rl.advantages.overlong_shaping`): a response longer than
+    ``generation.max_new_tokens`` - ``overlong_buffer`` tokens gets ``overlong_penalty`` x a penalty growing linearly to
+    -1 at the budget; 0 = off."""
+    overlong_penalty: float = 1.0
+    """Scale of the overlong punishment (DAPO: 1)."""
 
     def validate(self, where: str = "reward") -> None:
         super().validate(where)
         require_range(self, where, "missing_eos_penalty", 0)
+        require_range(self, where, "overlong_penalty", 0)
+        require_at_least(self, where, 0, "overlong_buffer")
         if self.reward_model_weight == 0 and not any(f.weight for f in self.functions):
             raise ConfigError(f"{where}: no reward: reward_model_weight is 0 and no entry of {where}.functions has a "
                               "non-zero weight")

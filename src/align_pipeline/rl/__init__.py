@@ -20,6 +20,7 @@ _EXPORTS = {
     "kl_penalty": "kl",
     "masked_moments": "advantages",
     "moments_to_mean_var": "advantages",
+    "overlong_shaping": "advantages",
     "rloo_advantages": "advantages",
     "token_rewards": "advantages",
     "whiten_with": "advantages",

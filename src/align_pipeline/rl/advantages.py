@@ -272,3 +272,20 @@ def _zero_constant_groups(r: torch.Tensor, finite: torch.Tensor, adv: torch.Tens
     """Exact zeros for groups with equal (finite) scores: r_i - mean is otherwise a rounding error of ~1 ulp, which an
     eps of 1e-6 would blow up to O(0.01); and for every non-finite score."""
     return torch.where(_constant_groups(r, finite) | ~finite, 0.0, adv)  # [P, n]
+
+
+def overlong_shaping(lengths: torch.Tensor, max_tokens: int, buffer: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", eq. 13), per response [n] from its length [n]::
+
+        R_length(y) = 0                                  |y| <= L_max - L_cache
+                    = ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| <= L_max
+                    = -1                                 |y| > L_max
+
+    with L_max = ``max_tokens`` (the generation budget) and L_cache = ``buffer`` (> 0): a response entering the last
+    ``buffer`` tokens of the budget is penalised linearly, down to -1 at the limit, instead of all at once."""
+    if buffer <= 0 or buffer > max_tokens:
+        raise ValueError(f"overlong_shaping: buffer must be in (0, max_tokens={max_tokens}], got {buffer}")
+    lengths = lengths.to(torch.float64)
+    soft = max_tokens - buffer
+    band = (soft - lengths) / buffer  # [n]
+    return torch.where(lengths <= soft, torch.zeros_like(band), torch.where(lengths <= max_tokens, band, -1.0))

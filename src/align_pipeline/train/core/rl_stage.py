@@ -96,7 +96,8 @@ class RLStage:
                                          self.seq_length, rollout.iteration_seed(gen.seed, iteration, dist.dp_rank))
         with timings("timing/score_s"):
             offload.frozen_to(dist.device)
-            scores = rollout.score(r, self.cfg.reward, self.reward_fns, self.rm, self.rm_forward, mbs, dist)
+            scores = rollout.score(r, self.cfg.reward, self.reward_fns, self.rm, self.rm_forward, mbs, dist,
+                                   max_tokens=gen.max_new_tokens)
             old_logp = (rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist) if old_forward  # [n, s]
                         else r.rows["rollout_logp"])
             ref_logp = rollout.reference_logprobs(self.reference, actor.model, r.rows, vocab, mbs, dist)  # [n, s]
