@@ -60,6 +60,9 @@ def run_cases(model, cfg: dict, prefix: str, names: list[str] | None) -> dict:
         rows = case.get("rows") or list(range(len(cfg["prompts"])))
         prompts = [cfg["prompts"][i] for i in rows]
         model.train()  # generate() must switch to eval and back
+        engine = getattr(model, "_align_decode_engine", None)
+        if engine is not None:
+            engine.prefill_shapes.clear()  # record the prefill shapes of this case alone
         t0 = time.perf_counter()
         if case.get("one_by_one"):
             parts = [generate(model, [p], **kwargs) for p in prompts]
@@ -76,7 +79,8 @@ def run_cases(model, cfg: dict, prefix: str, names: list[str] | None) -> dict:
         out["eos_id"] = kwargs["eos_id"]
         engine = getattr(model, "_align_decode_engine", None)
         out["engine"] = None if engine is None else {"captures": engine.captures, "compactions": engine.compactions,
-                                                      "allocations": DecodeEngine.allocations}
+                                                      "allocations": DecodeEngine.allocations,
+                                                      "prefill_shapes": sorted(engine.prefill_shapes)}
         assert model.training, "generate() did not restore training mode"
         results[prefix + case["name"]] = out
     return results

@@ -69,6 +69,9 @@ def _cases(tok, batch: list[int]) -> tuple[list[dict], list[dict]]:
     tp1 = [
         {"name": "greedy_nocache", "kwargs": {**greedy, "use_cache": False}, "rows": batch},
         {"name": "greedy_one_by_one", "kwargs": greedy, "rows": batch, "one_by_one": True},
+        # prompts of several lengths, one generate call each, left-padded to a multiple of 32: one prefill shape
+        {"name": "bucketed_one_by_one", "kwargs": {**greedy, "prefill_bucket": 32}, "rows": batch,
+         "one_by_one": True},
         {"name": "greedy_eos", "kwargs": {**greedy, "eos_id": tok.eos_id}, "rows": batch},
         {"name": "greedy_eos_generated", "kwargs": greedy, "rows": batch, "eos_from": ["greedy", 1, 3]},
         {"name": "greedy_two_stops", "kwargs": {**greedy, "eos_id": tok.eos_id}, "rows": batch,
@@ -144,6 +147,16 @@ def test_a_core_attention_that_ignores_the_mask_is_swapped_for_generation(tp1):
         assert tp1["te_like_" + case]["tokens"] == tp1["greedy"]["tokens"], case
         _close(tp1["te_like_" + case]["logprobs"], tp1["greedy"]["logprobs"], 1e-5)
     assert tp1["te_like_core_attention_restored"] and tp1["te_like_stand_in_is_causal"]
+
+
+def test_bucketed_prefill_gives_the_same_tokens_with_one_prefill_shape(tp1):
+    """``prefill_bucket``: each prompt alone, padded to 32 columns (masked): the tokens and log-probs of the unpadded
+    calls, and one prefill shape where the unpadded calls used one per prompt length (what a GPU plans for)."""
+    bucketed, plain = tp1["bucketed_one_by_one"], tp1["greedy_one_by_one"]
+    assert bucketed["tokens"] == plain["tokens"]
+    _close(bucketed["logprobs"], plain["logprobs"], 1e-5)
+    assert [tuple(s) for s in bucketed["engine"]["prefill_shapes"]] == [(1, 32, True)]
+    assert len(plain["engine"]["prefill_shapes"]) >= 2  # the demo prompts have several lengths
 
 
 def test_left_padded_batch_equals_one_prompt_at_a_time(tp1):

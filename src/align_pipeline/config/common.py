@@ -362,10 +362,15 @@ class GenerationConfig:
     cuda_graphs: bool = True
     """On a GPU, replay each decode step as a captured CUDA graph, one per batch width (captured before the first
     rollout, reused after, reading the live weights); False runs the same static-cache step eagerly."""
+    prefill_bucket: int = 1
+    """Prompts are left-padded to a multiple of this many tokens before the prefill (padding is masked: the same
+    tokens), so a rollout whose longest prompt is a length not seen before reuses the attention plans of its bucket
+    instead of building new ones (0.7-0.9 s each on an H200 for a 1B model). 1 = no bucketing (the CPU default:
+    unpadded prompts keep the plain causal prefill); conf/gpu uses 64."""
 
     def validate(self, where: str = "generation") -> None:
         require_at_least(self, where, 0, "top_k", "seed")
-        require_at_least(self, where, 1, "max_new_tokens", "samples_per_prompt", "batch_size")
+        require_at_least(self, where, 1, "max_new_tokens", "samples_per_prompt", "batch_size", "prefill_bucket")
         if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"{where}: need temperature >= 0 (got {self.temperature}) and 0 < top_p <= 1 "
                               f"(got {self.top_p})")

@@ -86,6 +86,8 @@ class DecodeEngine:
         self.decoding = False
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0  # graphs captured so far (tests and benchmarks read it)
+        self.prefill_shapes: set[tuple[int, int, bool]] = set()  # (rows, columns, masked) of every prefill: what
+        # the attention kernels plan for (a shape not seen before costs a new plan on a GPU)
         self.capture_seconds = 0.0
         self.compactions = 0
         DecodeEngine.allocations += 1
@@ -127,6 +129,7 @@ class DecodeEngine:
         """Left-padded prompts ids/positions [u, P] (``real`` [u, P] True = not padding; None = no padding) -> logits
         [u, V_padded] of column P - 1. Fills cache rows [0, u), columns [0, P)."""
         u, p = ids.shape
+        self.prefill_shapes.add((u, p, real is not None))
         self.decoding = False
         self.prefill_mask = None if real is None else _prefill_keep(real)
         self.keep[:u] = False

@@ -76,6 +76,7 @@ def generate(
     use_cache: bool = True,
     cuda_graphs: bool = True,
     tp_group=None,
+    prefill_bucket: int = 1,
 ) -> Generation:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -103,6 +104,9 @@ def generate(
             needs a given width, reused after); False runs the same step eagerly. Ignored on the CPU.
         tp_group: the tensor-parallel group (default: the model's ``pg_collection.tp``); tokens are broadcast from
             its rank 0.
+        prefill_bucket: left-pad the prompts to a multiple of this many tokens (masked: the same tokens), so the
+            prefill's shapes - what attention kernels plan for - come from a few buckets instead of every longest
+            prompt length (``generation.prefill_bucket``; 1 = to the longest prompt).
 
     Returns:
         :class:`Generation` (see its fields for the exact meaning of ``logprobs``).
@@ -121,7 +125,9 @@ def generate(
     if vocab_size > gpt.vocab_size:
         raise ValueError(f"vocab_size {vocab_size} exceeds the model's embedding rows {gpt.vocab_size}")
     b = len(prompts)
-    prompt_len = max(len(p) for p in prompts)
+    if prefill_bucket < 1:
+        raise ValueError(f"prefill_bucket must be >= 1, got {prefill_bucket}")
+    prompt_len = -(-max(len(p) for p in prompts) // prefill_bucket) * prefill_bucket  # left padding to the bucket
     if tp_group is None:
         tp_group = gpt.pg_collection.tp
     broadcast_src = tdist.get_global_rank(tp_group, 0) if tp_group is not None and tp_group.size() > 1 else None

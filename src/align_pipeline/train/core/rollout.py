@@ -59,7 +59,7 @@ def generate_rollout(policy, records: list[dict], gen: GenerationConfig, tok, vo
         g = generate(policy, prompts[start : start + gen.batch_size], max_new_tokens=max_new, eos_id=tok.stop_ids,
                      pad_id=tok.pad_id, vocab_size=vocab_size, temperature=gen.temperature, top_k=gen.top_k,
                      top_p=gen.top_p, greedy=greedy, seed=seed + start, cuda_graphs=gen.cuda_graphs,
-                     tp_group=dist.pgs.tp)
+                     tp_group=dist.pgs.tp, prefill_bucket=gen.prefill_bucket)
         tokens += g.tokens
         eos += g.ended_with_eos
         logprobs += g.logprobs
@@ -78,8 +78,10 @@ def prepare_rollouts(policy, prompts: PromptStream, iteration: int, gen: Generat
         return {}
     rows = len(prompts.local(iteration)) * gen.samples_per_prompt
     longest = max(len(r["prompt_ids"]) for r in prompts.records)
-    t = prepare_generation(policy, batch=min(rows, gen.batch_size), length=min(seq_length, longest + gen.max_new_tokens),
-                           prompt_len=longest, vocab_size=vocab_size, pad_id=tok.pad_id, cuda_graphs=gen.cuda_graphs,
+    bucketed = -(-longest // gen.prefill_bucket) * gen.prefill_bucket  # the prefill width rollouts will have
+    t = prepare_generation(policy, batch=min(rows, gen.batch_size),
+                           length=max(min(seq_length, longest + gen.max_new_tokens), bucketed + 9),
+                           prompt_len=bucketed, vocab_size=vocab_size, pad_id=tok.pad_id, cuda_graphs=gen.cuda_graphs,
                            temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, tp_group=dist.pgs.tp)
     return {"timing/decode_capture_s": t["capture_s"], "timing/decode_setup_s": t["setup_s"]}
 
