@@ -84,7 +84,11 @@ def _report(name: str, result: dict) -> None:
         assert all(math.isfinite(v) for v in h.values()), h
         keys = ("timing/generate_s", "timing/score_s", "timing/train_s", "timing/iteration_s",
                 "throughput/generated_tokens_per_s", "throughput/train_tokens_per_s", "rollout/response_lengths",
-                "timing/decode_capture_s", "timing/decode_setup_s")  # the last two: iteration 1 only
+                "timing/decode_capture_s", "timing/decode_setup_s",  # these two: iteration 1 only
+                # the rollout engine (bf16, KV cache, CUDA graphs) vs the training forward on the same tokens
+                "rollout/logprob_diff/mean", "rollout/logprob_diff/max", "rollout/seq_ratio/mean",
+                "rollout/seq_ratio/max", "train/logprob_diff", "rollout/response_length/p50",
+                "rollout/response_length/p90", "rollout/response_length/max", "rollout/response_length/clip_fraction")
         print(f"\n[{name}] iteration {h['iteration']}: " + json.dumps({k: round(h[k], 3) for k in keys if k in h}),
               flush=True)
 
