@@ -262,3 +262,17 @@ def test_loss_aggregation_changes_the_gradient_not_the_per_token_metrics(models,
         assert it["train/kl"] == pytest.approx(base["train/kl"], rel=1e-5, abs=1e-9), aggregation
     assert firsts["seq_mean_token_mean"]["train/grad_norm"] != pytest.approx(base["train/grad_norm"], rel=1e-3)
     assert firsts["dr_grpo"]["train/grad_norm"] != pytest.approx(base["train/grad_norm"], rel=1e-3)
+
+
+def test_reward_workers_score_as_the_rank_does(models, tmp_path):
+    """``reward.workers: 2``: the reward functions run in spawned worker processes of the rank; the same rollout
+    scores the same (same seed: the same rewards and accuracy), with no timeout counted."""
+    results = {}
+    for workers in (0, 2):
+        job = reinforce_job(models, tmp_path / f"w{workers}", iterations=1,
+                            reward=RewardConfig(reward_model_weight=0.0, functions=[DEMO], workers=workers,
+                                                timeout_s=60.0))
+        (results[workers],) = run("reinforce", job)["history"]
+    for key in ("rollout/rewards_mean", "rollout/accuracy"):
+        assert results[2][key] == results[0][key], key
+    assert results[2]["rollout/reward_timeouts"] == 0 == results[0]["rollout/reward_timeouts"]

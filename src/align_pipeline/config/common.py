@@ -440,12 +440,19 @@ class RewardConfig(ScoringConfig):
     -1 at the budget; 0 = off."""
     overlong_penalty: float = 1.0
     """Scale of the overlong punishment (DAPO: 1)."""
+    workers: int = 0
+    """Reward functions evaluated in this many worker processes per rank, each response's values waited for at most
+    ``timeout_s`` (a response whose call runs over scores 0 and is counted: ``rollout/reward_timeouts``;
+    :mod:`align_pipeline.rewards.pool`); 0 = in the rank itself, no timeout (cheap functions: the default)."""
+    timeout_s: float = 30.0
+    """Per-response limit of the reward functions with ``workers`` > 0."""
 
     def validate(self, where: str = "reward") -> None:
         super().validate(where)
         require_range(self, where, "missing_eos_penalty", 0)
         require_range(self, where, "overlong_penalty", 0)
-        require_at_least(self, where, 0, "overlong_buffer")
+        require_at_least(self, where, 0, "overlong_buffer", "workers")
+        require_range(self, where, "timeout_s", 0, low_open=True)
         if self.reward_model_weight == 0 and not any(f.weight for f in self.functions):
             raise ConfigError(f"{where}: no reward: reward_model_weight is 0 and no entry of {where}.functions has a "
                               "non-zero weight")

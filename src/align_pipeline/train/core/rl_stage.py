@@ -27,6 +27,7 @@ from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.sequences import rewards_forward
 from align_pipeline.rewards.base import RewardFunctions
 from align_pipeline.rewards.check import check_records
+from align_pipeline.rewards.pool import RewardPool
 from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core import rollout
 from align_pipeline.train.core.batches import PromptStream
@@ -60,6 +61,9 @@ class RLStage:
         do not depend on whether a reference is built)."""
         where = f"{self.name}.reward"
         self.reward_fns = RewardFunctions.load(self.cfg.reward, where)
+        reward = self.cfg.reward
+        self.reward_pool = (RewardPool([t.spec for t in self.reward_fns.terms], reward.workers, reward.timeout_s)
+                            if reward.workers and self.reward_fns.terms else None)
         self.reference, self.rm, self.rm_forward = load_judges(
             self.paths, self.cfg.reward, self.job.model.attention_backend, self.job.parallel, self.dist, where,
             lora_policy=bool(self.cfg.lora.rank))
@@ -97,7 +101,7 @@ class RLStage:
         with timings("timing/score_s"):
             offload.frozen_to(dist.device)
             scores = rollout.score(r, self.cfg.reward, self.reward_fns, self.rm, self.rm_forward, mbs, dist,
-                                   max_tokens=gen.max_new_tokens)
+                                   max_tokens=gen.max_new_tokens, pool=self.reward_pool)
             old_logp = (rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist) if old_forward  # [n, s]
                         else r.rows["rollout_logp"])
             ref_logp = rollout.reference_logprobs(self.reference, actor.model, r.rows, vocab, mbs, dist)  # [n, s]
@@ -134,6 +138,8 @@ class RLStage:
         final = rollout.validation_accuracy(actor.model, self.val_records, self.gen, self.tok, self.vocab, self.dist,
                                             self.seq_length, self.reward_fns)
         self.logger.log_metrics(final, iteration)
+        if self.reward_pool is not None:
+            self.reward_pool.close()
         log(self.dist, f"[{self.name}] done: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
         self.ckpts.save(iteration, train_state)
         dirs = self.ckpts.export(iteration, export_meta(self.name, self.job, self.tok, final, m), per_model=per_model)

@@ -19,6 +19,7 @@ from align_pipeline.model import lora
 from align_pipeline.model.generate import generate, prepare_generation
 from align_pipeline.model.sequences import token_logprobs_forward, token_values_forward
 from align_pipeline.rewards.base import RewardFunctions
+from align_pipeline.rewards.pool import RewardPool
 from align_pipeline.rl.advantages import overlong_shaping
 from align_pipeline.train.core.batches import PromptStream, to_rows
 from align_pipeline.train.core.distributed import Dist
@@ -103,16 +104,23 @@ class Scores:
     """[n, F] each reward function's value (None without reward functions)."""
     overlong: torch.Tensor | None = None
     """[n] DAPO's overlong punishment R_length in [-1, 0], before its scale (None when off)."""
+    timeouts: int = 0
+    """Responses whose reward functions ran over ``reward.timeout_s`` (scored 0)."""
 
 
 def score(rollout: Rollout, cfg: RewardConfig, rewards: RewardFunctions, rm, rm_forward, micro_batch_size: int,
-          dist: Dist, max_tokens: int | None = None) -> Scores:
+          dist: Dist, max_tokens: int | None = None, pool: RewardPool | None = None) -> Scores:
     """``Σ_i functions[i].weight x function_i(prompt, response, record) - missing_eos_penalty x (no EOS)
     + reward_model_weight x RM + overlong_penalty x R_length`` (``rm_forward``:
     :func:`~align_pipeline.model.sequences.rewards_forward` with the reward model's pooling and attribute weights;
-    R_length: DAPO's soft overlong punishment over the budget ``max_tokens``, with ``cfg.overlong_buffer`` > 0)."""
+    R_length: DAPO's soft overlong punishment over the budget ``max_tokens``, with ``cfg.overlong_buffer`` > 0). The
+    functions run in ``pool`` (``reward.workers`` > 0: worker processes, a per-response timeout) when given."""
     device = dist.device
-    values = [rewards.values(r["prompt"], t, r) for r, t in zip(rollout.records, rollout.texts)]  # [n][F]
+    timeouts = 0
+    if pool is not None and rewards.terms:
+        values, timeouts = pool.values([(r["prompt"], t, r) for r, t in zip(rollout.records, rollout.texts)])
+    else:
+        values = [rewards.values(r["prompt"], t, r) for r, t in zip(rollout.records, rollout.texts)]  # [n][F]
     functions = correct = None
     if rewards.terms:
         functions = torch.tensor(values, device=device)  # [n, F]
@@ -128,7 +136,7 @@ def score(rollout: Rollout, cfg: RewardConfig, rewards: RewardFunctions, rm, rm_
         lengths = torch.tensor([len(t) for t in rollout.tokens], device=device)  # [n]
         shaping = overlong_shaping(lengths, max_tokens, min(cfg.overlong_buffer, max_tokens)).to(total.dtype)
         total = total + cfg.overlong_penalty * shaping
-    return Scores(total, correct, rm_scores, functions, shaping)
+    return Scores(total, correct, rm_scores, functions, shaping, timeouts)
 
 
 def token_logprobs(model, rows: dict, vocab_size: int, micro_batch_size: int, dist: Dist) -> torch.Tensor:
@@ -188,6 +196,7 @@ def rollout_stats(r: Rollout, scores: Scores, rewards: RewardFunctions, dist: Di
     stats.add("rollout/response_lengths", lengths, std=False)
     if scores.overlong is not None:
         stats.add("rollout/overlong_shaping", scores.overlong, std=False)
+    stats.add("rollout/reward_timeouts", torch.tensor([float(scores.timeouts)], device=dist.device), total=True)
     stats.add("rollout/fraction_of_samples_properly_ended", ended, std=False)
     stats.add("rollout/response_length/mean", lengths, std=False)
     stats.add_quantiles("rollout/response_length", lengths, {"p50": 0.5, "p90": 0.9, "max": 1.0})

@@ -1,0 +1,86 @@
+"""Reward functions in worker processes, with a per-sample timeout (``reward.workers`` > 0).
+
+A slow reward (a math verifier, a code sandbox) computed serially holds up the whole rank; one that hangs stops the
+job. :class:`RewardPool` evaluates every response's functions in ``workers`` spawned processes (they import the
+functions by name: ``module:function``, as configured), waits at most ``timeout_s`` for each response's values, and
+scores a response whose call runs over 0 on every function, counting it (``rollout/reward_timeouts``). The pool is
+then terminated - which ends the hung call - and the responses not collected yet go to a fresh one (reward functions
+are pure, so computing one again changes nothing). An exception inside a function is raised in the job, as serially.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+from align_pipeline.rewards.base import call
+
+_LOADED: dict[str, Any] = {}
+"""A worker's loaded functions, by spec."""
+
+
+def _values(specs: tuple[str, ...], prompt: str, response: str, record: dict[str, Any]) -> list[float]:
+    """In a worker: each function's value for one response (functions loaded once per process)."""
+    from align_pipeline.config.reward_spec import load_reward_function
+
+    out = []
+    for spec in specs:
+        if spec not in _LOADED:
+            _LOADED[spec] = load_reward_function(spec, spec)
+        out.append(call(_LOADED[spec], spec, prompt, response, record))
+    return out
+
+
+class RewardPool:
+    """``workers`` spawned processes evaluating the functions ``specs`` with a per-response timeout."""
+
+    def __init__(self, specs: list[str], workers: int, timeout_s: float):
+        if workers < 1 or timeout_s <= 0:
+            raise ValueError(f"RewardPool needs workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
+        self.specs, self.workers, self.timeout_s = tuple(specs), workers, timeout_s
+        self._pool = None
+
+    def _get(self):
+        if self._pool is None:  # spawned: a fork of a process with CUDA / OpenMP threads is not safe
+            self._pool = multiprocessing.get_context("spawn").Pool(self.workers)
+        return self._pool
+
+    def close(self) -> None:
+        """End the workers (hung ones too)."""
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def values(self, items: list[tuple[str, str, dict[str, Any]]]) -> tuple[list[list[float]], int]:
+        """(each response's function values, in order; how many timed out and scored 0) for ``items`` =
+        (prompt, response, record) per response."""
+        results: dict[int, list[float]] = {}
+        timeouts = 0
+        pending = list(range(len(items)))
+        while pending:
+            pool = self._get()
+            waiting = {i: pool.apply_async(_values, (self.specs, *items[i])) for i in pending}
+            late = None
+            for i in pending:
+                try:
+                    results[i] = waiting[i].get(timeout=self.timeout_s)
+                except multiprocessing.TimeoutError:
+                    late = i
+                    break
+            if late is None:
+                break
+            results[late] = [0.0] * len(self.specs)  # ran over: 0 on every function, counted
+            timeouts += 1
+            self.close()  # ends the hung call; what was not collected yet goes to a fresh pool
+            pending = [i for i in pending if i not in results]
+        return [results[i] for i in range(len(items))], timeouts
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown
+            pass
+
+
+__all__ = ["RewardPool"]

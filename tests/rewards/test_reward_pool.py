@@ -1,0 +1,45 @@
+"""reward.workers: reward functions in spawned worker processes with a per-response timeout - a hung call scores 0,
+is counted, and does not hold up the others; without a hang, the values of the serial path."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from align_pipeline.rewards.pool import RewardPool
+
+SPECS = ["slow_rewards:hangs_on_request", "slow_rewards:length"]
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))  # spawned workers inherit sys.path
+    p = RewardPool(SPECS, workers=2, timeout_s=2.0)
+    yield p
+    p.close()
+
+
+def test_a_hung_call_scores_zero_is_counted_and_the_rest_are_scored(pool):
+    items = [("p", "ok", {}), ("p", "please hang", {}), ("p", "fine too", {}), ("p", "x", {})]
+    t0 = time.monotonic()
+    values, timeouts = pool.values(items)
+    assert values == [[1.0, 2.0], [0.0, 0.0], [1.0, 8.0], [1.0, 1.0]] and timeouts == 1
+    assert time.monotonic() - t0 < 60  # the hour-long call was ended, not waited for
+    again, timeouts = pool.values([("p", "ok", {})])  # a fresh pool after the terminated one
+    assert again == [[1.0, 2.0]] and timeouts == 0
+
+
+def test_without_a_hang_the_values_are_the_serial_ones(pool):
+    from slow_rewards import hangs_on_request, length
+
+    items = [("p", "a" * n, {}) for n in range(6)]
+    values, timeouts = pool.values(items)
+    assert timeouts == 0 and values == [[hangs_on_request(*i), length(*i)] for i in items]
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="workers"):
+        RewardPool(SPECS, workers=0, timeout_s=1.0)
