@@ -27,7 +27,6 @@ from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.sequences import rewards_forward
 from align_pipeline.rewards.base import RewardFunctions
 from align_pipeline.rewards.check import check_records
-from align_pipeline.rewards.pool import RewardPool
 from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core import rollout
 from align_pipeline.train.core.batches import PromptStream
@@ -61,9 +60,11 @@ class RLStage:
         do not depend on whether a reference is built)."""
         where = f"{self.name}.reward"
         self.reward_fns = RewardFunctions.load(self.cfg.reward, where)
-        reward = self.cfg.reward
-        self.reward_pool = (RewardPool([t.spec for t in self.reward_fns.terms], reward.workers, reward.timeout_s)
-                            if reward.workers and self.reward_fns.terms else None)
+        reward, self.reward_pool = self.cfg.reward, None
+        if reward.workers and self.reward_fns.terms:  # imported only when used (a stage's reach stays small)
+            from align_pipeline.rewards.pool import RewardPool
+
+            self.reward_pool = RewardPool([t.spec for t in self.reward_fns.terms], reward.workers, reward.timeout_s)
         self.reference, self.rm, self.rm_forward = load_judges(
             self.paths, self.cfg.reward, self.job.model.attention_backend, self.job.parallel, self.dist, where,
             lora_policy=bool(self.cfg.lora.rank))

@@ -19,7 +19,6 @@ from align_pipeline.model import lora
 from align_pipeline.model.generate import generate, prepare_generation
 from align_pipeline.model.sequences import token_logprobs_forward, token_values_forward
 from align_pipeline.rewards.base import RewardFunctions
-from align_pipeline.rewards.pool import RewardPool
 from align_pipeline.rl.advantages import overlong_shaping
 from align_pipeline.train.core.batches import PromptStream, to_rows
 from align_pipeline.train.core.distributed import Dist
@@ -109,12 +108,13 @@ class Scores:
 
 
 def score(rollout: Rollout, cfg: RewardConfig, rewards: RewardFunctions, rm, rm_forward, micro_batch_size: int,
-          dist: Dist, max_tokens: int | None = None, pool: RewardPool | None = None) -> Scores:
+          dist: Dist, max_tokens: int | None = None, pool=None) -> Scores:
     """``Σ_i functions[i].weight x function_i(prompt, response, record) - missing_eos_penalty x (no EOS)
     + reward_model_weight x RM + overlong_penalty x R_length`` (``rm_forward``:
     :func:`~align_pipeline.model.sequences.rewards_forward` with the reward model's pooling and attribute weights;
     R_length: DAPO's soft overlong punishment over the budget ``max_tokens``, with ``cfg.overlong_buffer`` > 0). The
-    functions run in ``pool`` (``reward.workers`` > 0: worker processes, a per-response timeout) when given."""
+    functions run in ``pool`` (a :class:`~align_pipeline.rewards.pool.RewardPool`: ``reward.workers`` > 0, worker
+    processes, a per-response timeout) when given."""
     device = dist.device
     timeouts = 0
     if pool is not None and rewards.terms:
