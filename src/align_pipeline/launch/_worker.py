@@ -120,7 +120,8 @@ def _stop_what_we_forked() -> None:
 
 def _host_store():
     """The rendezvous store of a one-process job, listening on ``MASTER_ADDR`` only; the rank joins it as a client
-    (``TORCHELASTIC_USE_AGENT_STORE``), as torchrun's ranks join their agent's."""
+    (``TORCHELASTIC_USE_AGENT_STORE``), as torchrun's ranks join their agent's. ``MASTER_PORT=0``: the kernel picks
+    the port as the socket is bound (no race with another process for a port chosen earlier); the rank sees it."""
     import datetime
     import socket
 
@@ -130,6 +131,9 @@ def _host_store():
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, port))
+    if port == 0:
+        port = listener.getsockname()[1]
+        os.environ["MASTER_PORT"] = str(port)
     listener.listen(16)
     return TCPStore(host, port, None, True, datetime.timedelta(seconds=900), wait_for_workers=False,
                     multi_tenant=True, master_listen_fd=listener.detach())  # fmt: skip  (the store owns the fd)

@@ -5,7 +5,7 @@
 starts, in its own session (process group),
 
     python -m align_pipeline.launch._agent --nnodes 1 --nproc-per-node 2 --node-rank 0 \\
-        --master-addr 127.0.0.1 --master-port <free> --max-restarts 0 \\
+        --master-addr 127.0.0.1 --master-port 0 --max-restarts 0 \\
         -m align_pipeline.launch._worker <run_dir>/logs align_pipeline.train.sft --config <run_dir>/config.json
 
 ``launch._agent`` is torchrun itself with its rendezvous store listening on 127.0.0.1 only (multi-node jobs run
@@ -227,16 +227,16 @@ def _as_launch_config(launch: LaunchConfig | Mapping[str, Any]) -> LaunchConfig:
 
 
 def build_command(module: str, config_path: str | Path, launch: LaunchConfig, log_dir: str | Path) -> list[str]:
-    """The torchrun command line (``master_port`` 0 is replaced by a free port). A single-node job runs torchrun
-    through :mod:`align_pipeline.launch._agent`, so its store listens on ``master_addr`` alone (127.0.0.1)."""
+    """The torchrun command line. A single-node job runs torchrun through :mod:`align_pipeline.launch._agent`, so its
+    store listens on ``master_addr`` alone (127.0.0.1); ``master_port`` 0 is passed on, and the agent binds a port the
+    kernel picks (a port chosen here and bound later could be taken in between by a parallel job)."""
     if launch.nnodes > 1:  # c10d rendezvous with the workers of the other nodes (launch/multinode.py)
         from align_pipeline.launch import multinode
 
         rendezvous = multinode.rdzv_args(launch, Path(log_dir).parent)
         agent = "torch.distributed.run"
     else:
-        port = launch.master_port or free_port(launch.master_addr)
-        rendezvous = ["--node-rank", "0", "--master-addr", launch.master_addr, "--master-port", str(port)]
+        rendezvous = ["--node-rank", "0", "--master-addr", launch.master_addr, "--master-port", str(launch.master_port)]
         agent = AGENT_MODULE
     return [
         sys.executable, "-m", agent,
@@ -258,8 +258,9 @@ def direct(launch: LaunchConfig) -> bool:
 def build_direct_command(module: str, config_path: str | Path, launch: LaunchConfig,
                          log_dir: str | Path) -> tuple[list[str], dict[str, str]]:
     """A one-process job: the per-rank shim started by the launcher, with the environment torchrun would give rank 0
-    of a world of one, and its rendezvous store hosted by the shim on ``master_addr`` alone (``ALIGN_HOST_STORE``)."""
-    port = launch.master_port or free_port(launch.master_addr)
+    of a world of one, and its rendezvous store hosted by the shim on ``master_addr`` alone (``ALIGN_HOST_STORE``;
+    ``MASTER_PORT`` 0: the shim binds a port the kernel picks)."""
+    port = launch.master_port
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
            "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1", "ROLE_NAME": "default",
            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",

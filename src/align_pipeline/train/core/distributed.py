@@ -64,7 +64,9 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> Dist:
     Megatron's model-parallel RNG tracker (TP ranks get distinct streams for dropout in TP regions).
     """
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    store = None
+    if "MASTER_PORT" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":  # one process, no launcher
+        store = tdist.TCPStore(os.environ["MASTER_ADDR"], 0, 1, True, wait_for_workers=False)  # kernel-picked port
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -78,7 +80,8 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> Dist:
         megatron_cpu.activate()
     if not tdist.is_initialized():  # NCCL bound to this rank's GPU (without, every barrier warns that it guesses)
         tdist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30),
-                                 device_id=device if backend == "nccl" else None)
+                                 device_id=device if backend == "nccl" else None,
+                                 **({"store": store, "rank": 0, "world_size": 1} if store is not None else {}))
     world = tdist.get_world_size()
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     check_world(parallel, world, Names(parallel="parallel", world=f"the job's world size {world}"))
@@ -118,10 +121,3 @@ def shutdown() -> None:
     if tdist.is_initialized():
         tdist.destroy_process_group()
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
