@@ -8,6 +8,8 @@
                                "<prefix>switches_restored": bool}
 
 ``rows`` picks prompts (default all); ``one_by_one`` calls generate once per prompt and concatenates the results;
+``kv_rows`` sets ``kv_cache_gib`` to what that many rows of the case's length take; ``chunks`` calls generate once per
+that many prompts (seed + first index, as static batches); ``record_finished`` lists ``on_finished``'s calls;
 ``eos_from`` sets ``eos_id`` to the token an earlier case generated at ``index`` in ``row`` (or in each of a list of
 rows: several stop ids; with the case's own ``eos_id``: all are stop ids); ``perturb`` scales every layer's MLP output
 weight by 1.5 in place before the case (as an optimizer step changes weights; later cases see it too); ``score`` adds ``scored_logprobs``, the generated
@@ -31,7 +33,7 @@ import torch
 
 from align_pipeline.config import ModelConfig, ParallelConfig, from_dict
 from align_pipeline.model import init
-from align_pipeline.model.decode import DecodeEngine
+from align_pipeline.model.decode import DecodeEngine, kv_bytes_per_row
 from align_pipeline.model.generate import generate, prepare_generation
 from align_pipeline.model.gpt import build_gpt
 from align_pipeline.model.sequences import position_ids
@@ -63,8 +65,20 @@ def run_cases(model, cfg: dict, prefix: str, names: list[str] | None) -> dict:
         engine = getattr(model, "_align_decode_engine", None)
         if engine is not None:
             engine.prefill_shapes.clear()  # record the prefill shapes of this case alone
+        if case.get("kv_rows"):  # a KV budget of exactly that many rows of this case's length
+            length = max(len(p) for p in prompts) + kwargs["max_new_tokens"]
+            kwargs["kv_cache_gib"] = case["kv_rows"] * kv_bytes_per_row(model, length) / 2**30
+        finished: list = []
+        if case.get("record_finished"):
+            kwargs["on_finished"] = lambda i, tokens, eos, into=finished: into.append([i, tokens, eos])
         t0 = time.perf_counter()
-        if case.get("one_by_one"):
+        if case.get("chunks"):  # static batches of that many prompts, batch c seeded seed + c * chunks
+            k = case["chunks"]
+            parts = [generate(model, prompts[lo : lo + k], **{**kwargs, "seed": kwargs.get("seed", 0) + lo})
+                     for lo in range(0, len(prompts), k)]
+            out = {key: [x for g in parts for x in getattr(g, key)] for key in ("tokens", "ended_with_eos",
+                                                                                "logprobs")}
+        elif case.get("one_by_one"):
             parts = [generate(model, [p], **kwargs) for p in prompts]
             out = {
                 "tokens": [g.tokens[0] for g in parts],
@@ -74,6 +88,7 @@ def run_cases(model, cfg: dict, prefix: str, names: list[str] | None) -> dict:
         else:
             out = dataclasses.asdict(generate(model, prompts, **kwargs))
         out["seconds"] = time.perf_counter() - t0
+        out["finished"] = finished
         if case.get("score"):
             out["scored_logprobs"] = [score(model, p, t, cfg["vocab_size"]) for p, t in zip(prompts, out["tokens"])]
         out["eos_id"] = kwargs["eos_id"]

@@ -96,6 +96,18 @@ def _cases(tok, batch: list[int]) -> tuple[list[dict], list[dict]]:
         {"name": "perturbed_nocache", "kwargs": {**greedy, "use_cache": False}, "rows": batch},
         {"name": "bench_64x16", "kwargs": greedy, "rows": list(range(N, N + 64))},
         {"name": "bench_64x16_nocache", "kwargs": {**greedy, "use_cache": False}, "rows": list(range(N, N + 64))},
+        # (Last: a KV budget replaces the kept cache by a smaller one.) Continuous batching: responses of different lengths (two generated tokens made stop ids), 8 samples
+        # through a KV budget of 3 rows refilled as they end; the same samples as one static batch and as the
+        # reference path. max_rows: the samples of static batches of that size, generated in one call.
+        {"name": "refill_static", "kwargs": sample, "rows": batch, "eos_from": ["sample", [0, 3], 2]},
+        {"name": "refill_budget", "kwargs": sample, "rows": batch, "eos_from": ["sample", [0, 3], 2], "kv_rows": 3,
+         "record_finished": True},
+        {"name": "refill_nocache", "kwargs": {**sample, "use_cache": False}, "rows": batch,
+         "eos_from": ["sample", [0, 3], 2]},
+        {"name": "rows_of_3", "kwargs": {**sample, "max_rows": 3}, "rows": batch, "eos_from": ["sample", [0, 3], 2],
+         "record_finished": True},
+        {"name": "rows_of_3_chunks", "kwargs": sample, "rows": batch, "eos_from": ["sample", [0, 3], 2],
+         "chunks": 3},
     ]
     return common, tp1
 
@@ -236,6 +248,33 @@ def test_finished_rows_are_dropped_from_the_step(tp1):
     lengths = sorted(len(t) for t in early["tokens"])
     assert lengths[0] == 1 and lengths[N // 2] < lengths[-1], lengths  # half done while some still run
     assert early["engine"]["compactions"] > tp1["greedy_cap"]["engine"]["compactions"]
+
+
+def test_refilled_rows_give_the_samples_of_one_static_batch(tp1):
+    """8 sampled responses of different lengths through a KV cache bounded to 3 rows: as a response ends, its row
+    takes the next pending sample (prefilled into that row while the others keep going). Every sample reads its own
+    uniforms, so the tokens are those of one static batch of 8 and of the reference path; the responses are reported
+    as they end, each once, with their final tokens."""
+    static, budget, ref = tp1["refill_static"], tp1["refill_budget"], tp1["refill_nocache"]
+    assert len({len(t) for t in static["tokens"]}) >= 3, static["tokens"]  # lengths vary
+    assert budget["tokens"] == static["tokens"] == ref["tokens"]
+    assert budget["ended_with_eos"] == static["ended_with_eos"]
+    _close(budget["logprobs"], static["logprobs"], 1e-5)
+    assert (budget["slots"], static["slots"]) == (3, N)
+    assert budget["admissions"] >= 3  # at least ceil(8 / 3) - 1 refills after the first prefill
+    finished = budget["finished"]
+    assert sorted(i for i, _, _ in finished) == list(range(N))
+    assert all(tokens == budget["tokens"][i] and eos == budget["ended_with_eos"][i] for i, tokens, eos in finished)
+    assert [i for i, _, _ in finished] != list(range(N))  # reported as they end, not in prompt order
+
+
+def test_max_rows_gives_the_samples_of_static_batches_of_that_size(tp1):
+    """``max_rows=3`` in one call == three generate calls of 3, 3 and 2 prompts seeded seed, seed + 3, seed + 6 (what
+    rollouts did before continuous batching: the default run's samples are unchanged)."""
+    one_call, chunks = tp1["rows_of_3"], tp1["rows_of_3_chunks"]
+    assert one_call["tokens"] == chunks["tokens"] and one_call["ended_with_eos"] == chunks["ended_with_eos"]
+    _close(one_call["logprobs"], chunks["logprobs"], 1e-5)
+    assert one_call["slots"] == 3 and one_call["tokens"] != tp1["refill_static"]["tokens"]
 
 
 def test_the_kept_cache_sees_weights_changed_in_place(tp1):

@@ -12,3 +12,10 @@ def hangs_on_request(prompt: str, response: str, record: dict) -> float:
 
 def length(prompt: str, response: str, record: dict) -> float:
     return float(len(response))
+
+
+def logged(prompt: str, response: str, record: dict) -> float:
+    """len(response), each call appended to the file ``record["log"]`` (to count the calls)."""
+    with open(record["log"], "a") as f:
+        f.write(response + "\n")
+    return float(len(response))

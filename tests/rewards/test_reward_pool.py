@@ -43,3 +43,25 @@ def test_without_a_hang_the_values_are_the_serial_ones(pool):
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="workers"):
         RewardPool(SPECS, workers=0, timeout_s=1.0)
+
+
+def test_responses_submitted_as_they_end_are_computed_once(monkeypatch, tmp_path):
+    """A rollout hands each response to the pool as generation ends it (submit); values() then collects those and
+    computes only what was not submitted, or was submitted with other content."""
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))
+    log = tmp_path / "calls.txt"
+    pool = RewardPool(["slow_rewards:logged"], workers=2, timeout_s=30.0)
+    try:
+        items = [("p", r, {"log": str(log)}) for r in ("one", "three", "fifteen", "x")]
+        pool.submit(2, items[2])  # ended first
+        pool.submit(0, items[0])
+        pool.submit(1, ("p", "stale", {"log": str(log)}))  # not what values() is asked for: computed again
+        values, timeouts = pool.values(items)
+        assert values == [[3.0], [5.0], [7.0], [1.0]] and timeouts == 0
+        assert sorted(log.read_text().split()) == sorted(["one", "three", "fifteen", "x", "stale"])
+        pool.values(items)  # nothing carried over from the last collection: all four again
+        assert len(log.read_text().split()) == 9
+    finally:
+        pool.close()

@@ -5,9 +5,11 @@ cheap:
 
 * **Static KV cache.** Per layer one key and one value buffer ``[B, groups, S, head_dim]`` (``B`` rows, ``S``
   columns), allocated once and kept on the model between calls (:func:`decode_engine`), so a PPO/REINFORCE job
-  allocates it at its first rollout and never again. A decode step writes its column with ``index_copy_`` at a
-  device-side column index and attends over all ``S`` columns with a boolean key mask (``keep``): every shape of the
-  step is fixed, so the step can be captured.
+  allocates it at its first rollout and never again. Each row has its own column (``column`` [B], on the device): a
+  decode step writes every row's key and value at that row's column (``scatter_``) and attends over all ``S`` columns
+  with a boolean key mask (``keep``); every shape of the step is fixed, so the step can be captured. Rows are
+  independent, so a row whose response has ended can be given a new prompt while the others go on
+  (:meth:`DecodeEngine.prefill` into chosen rows): continuous batching.
 * **The model's own modules.** The step calls the GPT's embedding, its decoder (every layer's norms, fused QKV,
   QK-norm, RoPE, projection, MLP, TP all-reduces) and its output layer; only each layer's *core* attention is swapped,
   for the duration of a call, for :class:`_CachedCoreAttention`, which reads and writes the cache. So the numbers are
@@ -19,8 +21,8 @@ cheap:
   re-capture (a changed parameter *address*, e.g. a model moved between devices, drops the graphs and recaptures).
   TP > 1 captures the NCCL collectives inside the graph. On the CPU the same step runs eagerly.
 * **Prefill** runs eagerly (its shape changes with every batch) with the prompts left-padded to one width; it writes
-  columns ``[0, P)`` of the cache and returns the last column's logits. Identical prompts (several samples per
-  prompt) are prefilled once and their cache rows copied (:meth:`DecodeEngine.expand`).
+  columns ``[0, P)`` of the rows it is given and returns the last column's logits. Identical prompts (several samples
+  per prompt) are prefilled once and their cache rows copied (:meth:`DecodeEngine.copy_rows`).
 
 RoPE: Megatron rotates by column index (left padding shifts a row's columns, which RoPE's relative scores do not
 see), so a decode step looks up the frequencies of its column in a table built by the model's own
@@ -61,7 +63,7 @@ class DecodeEngine:
         self.keep = torch.zeros(batch, length, dtype=torch.bool, device=device)  # [B, S] True = key column is real
         self.ids = torch.zeros(batch, dtype=torch.long, device=device)  # [B] token each row feeds the next step
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)  # [B] its position id
-        self.column = torch.zeros(1, dtype=torch.long, device=device)  # [1] the cache column the next step writes
+        self.column = torch.zeros(batch, dtype=torch.long, device=device)  # [B] the column each row's next step writes
         # [S, 1, 1, rot_dim] RoPE frequencies per column, from the model's own rotary embedding
         self.freqs = gpt.rotary_pos_emb(length) if getattr(gpt, "rotary_pos_emb", None) is not None else None
         # Plain (non-interleaved, unfused) RoPE is applied here, to query and key together, from cos/sin tables made
@@ -78,12 +80,16 @@ class DecodeEngine:
             half = sin.shape[-1] // 2
             # rotate_half(t) * sin == cat(t2, t1) * cat(-sin1, sin2) exactly ((-x) * y == x * (-y) in IEEE)
             self.sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-            self.step_cos, self.step_sin = self.cos[:1].clone(), self.sin_signed[:1].clone()  # the decode column's
+            # the decode columns' tables, one per row ([B, 1, 1, rot_dim], viewed [1, b, 1, rot_dim] by a step)
+            self.step_cos = self.cos[:1].expand(batch, -1, -1, -1).clone()
+            self.step_sin = self.sin_signed[:1].expand(batch, -1, -1, -1).clone()
         self.rope_cos: torch.Tensor | None = None  # the tables the current forward applies ([sq, 1, 1, rot_dim])
         self.rope_sin: torch.Tensor | None = None
         self.scale = gpt.config.softmax_scale or head_dim**-0.5
         self.prefill_mask: torch.Tensor | None = None  # [u, 1, P, P] True = attend; None = plain causal
         self.decoding = False
+        self.prefill_rows: torch.Tensor | None = None  # [u] the rows a prefill writes (None: [0, u))
+        self.kv_index: torch.Tensor | None = None  # [b, groups, 1, head_dim] each row's column, for scatter_
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0  # graphs captured so far (tests and benchmarks read it)
         self.prefill_shapes: set[tuple[int, int, bool]] = set()  # (rows, columns, masked) of every prefill: what
@@ -125,31 +131,34 @@ class DecodeEngine:
         logits, _ = gpt.output_layer(hidden[-1:], weight=weight, runtime_gather_output=True)  # [1, b, V_padded]
         return logits[0]
 
-    def prefill(self, gpt, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    def prefill(self, gpt, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         """Left-padded prompts ids/positions [u, P] (``real`` [u, P] True = not padding; None = no padding) -> logits
-        [u, V_padded] of column P - 1. Fills cache rows [0, u), columns [0, P)."""
+        [u, V_padded] of column P - 1. Fills columns [0, P) of cache rows ``rows`` [u] (default [0, u)), whose next
+        decode step then writes column P at the position after each prompt's last; the other rows are untouched."""
         u, p = ids.shape
         self.prefill_shapes.add((u, p, real is not None))
         self.decoding = False
         self.prefill_mask = None if real is None else _prefill_keep(real)
-        self.keep[:u] = False
-        self.keep[:u, :p] = True if real is None else real
+        rows = torch.arange(u, device=ids.device) if rows is None else rows
+        self.prefill_rows = rows
+        keep = torch.zeros(u, self.length, dtype=torch.bool, device=ids.device)  # [u, S]
+        keep[:, :p] = True if real is None else real
+        self.keep[rows] = keep
+        self.column[rows] = p
+        self.positions[rows] = positions[:, -1] + 1
         freqs = self.freqs[:p] if self.freqs is not None else None
         if self.rope:
             self.rope_cos, self.rope_sin, freqs = self.cos[:p], self.sin_signed[:p], None
         try:
             return self._forward(gpt, ids, positions, freqs)
         finally:
-            self.prefill_mask = None
+            self.prefill_mask = self.prefill_rows = None
 
-    def expand(self, index: torch.Tensor) -> None:
-        """Rows [0, len(index)) become copies of rows ``index`` (e.g. every sample of a prompt gets its prefill)."""
-        self._reorder(index)
-
-    def start(self, column: int, positions: torch.Tensor) -> None:
-        """The next decode step writes ``column``; rows [0, b) have position ids ``positions`` [b] there."""
-        self.column.fill_(column)
-        self.positions[: len(positions)] = positions
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Rows ``dst`` become copies of rows ``src`` (e.g. every sample of a prompt gets its prefill)."""
+        for buffer in (*self.keys, *self.values, self.keep, self.ids, self.positions, self.column):
+            buffer[dst] = buffer[src]
 
     def compact(self, slots: torch.Tensor) -> None:
         """Rows ``slots`` (ascending) move to [0, len(slots)): the step then runs on fewer rows."""
@@ -158,7 +167,7 @@ class DecodeEngine:
 
     def _reorder(self, index: torch.Tensor) -> None:
         n = len(index)
-        for buffer in (*self.keys, *self.values, self.keep, self.ids, self.positions):
+        for buffer in (*self.keys, *self.values, self.keep, self.ids, self.positions, self.column):
             buffer[:n] = buffer.index_select(0, index)
 
     def width(self, rows: int) -> int:
@@ -169,8 +178,10 @@ class DecodeEngine:
         return min(self.batch, max(_MIN_WIDTH, 1 << (rows - 1).bit_length()))
 
     def decode(self, gpt, width: int, graphs: bool) -> torch.Tensor:
-        """One step over rows [0, width): feeds ``ids`` at the current column, then advances it -> logits
-        [width, V_padded] (with ``graphs``, a captured graph's output buffer: read it before the next step)."""
+        """One step over rows [0, width): feeds ``ids`` at each row's column, then advances the columns -> logits
+        [width, V_padded] (with ``graphs``, a captured graph's output buffer: read it before the next step). A row
+        whose response has ended keeps stepping until it is replaced or compacted away: its column stops at the last
+        one (what it writes there is never read)."""
         if graphs:
             graph = self.graphs.get(width)
             if graph is None:
@@ -179,7 +190,7 @@ class DecodeEngine:
             logits = graph[1]
         else:
             logits = self._step(gpt, width)
-        self.column += 1
+        self.column.add_(1).clamp_(max=self.length - 1)
         self.positions += 1
         return logits
 
@@ -201,14 +212,20 @@ class DecodeEngine:
 
     def _step(self, gpt, width: int) -> torch.Tensor:
         self.decoding = True
-        self.keep[:width].index_fill_(1, self.column, True)  # the column this step writes
+        column = self.column[:width]  # [w]
+        self.keep[:width].scatter_(1, column[:, None], True)  # the column each row writes this step
+        k = self.keys[0]
+        self.kv_index = column.view(width, 1, 1, 1).expand(width, k.shape[1], 1, k.shape[3])  # [w, groups, 1, hd]
         freqs = None
         if self.rope:
-            torch.index_select(self.cos, 0, self.column, out=self.step_cos)  # [1, 1, 1, rot_dim]
-            torch.index_select(self.sin_signed, 0, self.column, out=self.step_sin)
-            self.rope_cos, self.rope_sin = self.step_cos, self.step_sin
+            torch.index_select(self.cos, 0, column, out=self.step_cos[:width])  # [w, 1, 1, rot_dim]
+            torch.index_select(self.sin_signed, 0, column, out=self.step_sin[:width])
+            rot = self.step_cos.shape[-1]
+            self.rope_cos = self.step_cos[:width].view(1, width, 1, rot)  # [1, w, 1, rot_dim]
+            self.rope_sin = self.step_sin[:width].view(1, width, 1, rot)
         elif self.freqs is not None:
-            freqs = self.freqs.index_select(0, self.column)  # [1, 1, 1, rot_dim]
+            freqs = self.freqs.index_select(0, column)  # [w, 1, 1, rot_dim]
+            freqs = freqs.view(1, width, 1, freqs.shape[-1])  # [1, w, 1, rot_dim]
         return self._forward(gpt, self.ids[:width, None], self.positions[:width, None], freqs)
 
     def apply_rope(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,14 +284,14 @@ class _CachedCoreAttention(torch.nn.Module):
         gqa = np_ != k.shape[1]
         if e.decoding:
             k_cache, v_cache = e.keys[self.index][:b], e.values[self.index][:b]  # [b, ng, S, hn]
-            k_cache.index_copy_(2, e.column, k)
-            v_cache.index_copy_(2, e.column, v)
+            k_cache.scatter_(2, e.kv_index, k)  # each row at its own column
+            v_cache.scatter_(2, e.kv_index, v)
             mask = e.keep[:b, None, None, :]  # [b, 1, 1, S]
             context = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=e.scale,
                                                      enable_gqa=gqa)
         else:
-            e.keys[self.index][:b, :, :sq] = k
-            e.values[self.index][:b, :, :sq] = v
+            e.keys[self.index][e.prefill_rows, :, :sq] = k
+            e.values[self.index][e.prefill_rows, :, :sq] = v
             mask = e.prefill_mask
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=e.scale,
                                                      enable_gqa=gqa)
@@ -297,19 +314,35 @@ def _parameter_addresses(gpt) -> tuple[int, ...]:
 _ROUND = 64  # cache columns are allocated in multiples of this (fewer re-allocations across calls)
 
 
-def decode_engine(gpt, batch: int, length: int) -> DecodeEngine:
+def kv_bytes_per_row(gpt, length: int) -> int:
+    """Bytes of KV cache one row of ``length`` columns takes (keys and values of every layer, this TP rank's query
+    groups, columns rounded up as :func:`decode_engine` allocates them)."""
+    attention = gpt.decoder.layers[0].self_attention
+    itemsize = next(gpt.parameters()).element_size()
+    return (2 * len(gpt.decoder.layers) * attention.num_query_groups_per_partition
+            * attention.hidden_size_per_attention_head * _bucket(length) * itemsize)
+
+
+def _bucket(length: int) -> int:
+    return -(-length // _ROUND) * _ROUND
+
+
+def decode_engine(gpt, batch: int, length: int, max_bytes: int | None = None) -> DecodeEngine:
     """The engine kept on ``gpt`` for batches of ``batch`` rows and ``length`` columns: reused when large enough
-    (same dtype and device), else replaced by one at least as large as both (its cache freed first)."""
+    (same dtype and device), else replaced by one at least as large as both where that fits ``max_bytes`` of KV
+    cache, else by one of exactly ``batch`` x ``length`` (the old cache is freed first)."""
     engine: DecodeEngine | None = getattr(gpt, "_align_decode_engine", None)
     param = next(gpt.parameters())
     if (engine is not None and engine.batch >= batch and engine.length >= length
-            and engine.keys[0].dtype == param.dtype and engine.device == param.device):
+            and engine.keys[0].dtype == param.dtype and engine.device == param.device
+            and (max_bytes is None or engine.batch * kv_bytes_per_row(gpt, engine.length) <= max_bytes)):
         return engine
     if engine is not None:
-        batch, length = max(batch, engine.batch), max(length, engine.length)
+        grown = max(batch, engine.batch), max(length, engine.length)
+        if max_bytes is None or grown[0] * kv_bytes_per_row(gpt, grown[1]) <= max_bytes:
+            batch, length = grown
         release_decode_engine(gpt)
-    length = -(-length // _ROUND) * _ROUND
-    engine = DecodeEngine(gpt, batch, length)
+    engine = DecodeEngine(gpt, batch, _bucket(length))
     object.__setattr__(gpt, "_align_decode_engine", engine)
     return engine
 

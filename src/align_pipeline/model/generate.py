@@ -14,12 +14,19 @@ How it works:
   ids count real tokens only, which matters for learned absolute positions; Megatron applies RoPE by column index,
   and a per-row constant shift does not change RoPE attention scores (they are relative), so left padding leaves
   the result unchanged (tested: batched == one prompt at a time).
-* **KV cache.** A static cache kept on the model (:mod:`~align_pipeline.model.decode`): identical prompts (several
-  samples per prompt) are prefilled once, then each step feeds one column; on a GPU the step is a captured CUDA graph.
-  Every few steps the rows that have emitted a stop id are dropped (the step runs on a smaller graph once half of
-  them are done). ``use_cache=False`` recomputes the full sequence every step (the reference path for tests).
-* **Sampling** draws one uniform per row of the whole batch per step, so a row's tokens do not depend on which other
-  rows were still running (the cached and the reference path sample the same tokens).
+* **KV cache, continuous batching.** A static cache kept on the model (:mod:`~align_pipeline.model.decode`) of
+  ``slots`` rows: ``max_rows`` (default all prompts), fewer when ``kv_cache_gib`` bounds its memory. Samples enter
+  the slots in order; identical prompts (several samples per prompt) entering together are prefilled once; each step
+  feeds one token per slot (on a GPU, a captured CUDA graph). Every few steps the slots whose response has ended
+  (a stop id, or ``max_new_tokens``) are handed to the next pending samples (prefilled into those rows while the
+  others keep their state), so a long response no longer holds a whole batch back; once nothing is pending, the
+  step runs on a smaller graph when half of the rows are done. ``on_finished`` hears of each response as it ends
+  (e.g. to score it while the rest are generated). ``use_cache=False`` recomputes the full sequence every step (the
+  reference path for tests).
+* **Sampling** gives every sample its own uniforms, one per token: sample ``i`` of static batch ``c`` (``max_rows``
+  consecutive prompts) reads column ``i`` of a table drawn, step-major, from a generator seeded ``seed + c *
+  max_rows``. So a sample's tokens depend neither on which slot it runs in, nor on when it entered, nor on which
+  other rows were running: refilled, compacted, cached or recomputed, the same samples.
 * **Tensor parallelism.** Logits are gathered over TP (``runtime_gather_output=True``), so every TP rank holds the same
   full-vocab logits and the same seeded generator; the chosen tokens are still broadcast from TP rank 0 so ranks can
   never drift apart. Pipeline parallelism is not supported.
@@ -32,7 +39,7 @@ How it works:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +48,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from align_pipeline.model.attention import SDPAttention
-from align_pipeline.model.decode import decode_engine
+from align_pipeline.model.decode import decode_engine, kv_bytes_per_row
 from align_pipeline.model.gpt import unwrap
 
 
@@ -58,6 +65,10 @@ class Generation:
     ``log_softmax`` of the logits over the tokenizer's ``vocab_size`` (padded rows dropped), *before* temperature,
     top-k and top-p. This is the policy log-prob RL needs (the same number a training forward computes), not the
     log-prob under the tempered/truncated distribution that was actually sampled from."""
+    slots: int = 0
+    """Rows the cached path decoded at once (``max_rows``, or fewer under ``kv_cache_gib``); 0 without the cache."""
+    admissions: int = 0
+    """Prefills that gave free slots new samples after the first (continuous batching's refills)."""
 
 
 def generate(
@@ -77,6 +88,9 @@ def generate(
     cuda_graphs: bool = True,
     tp_group=None,
     prefill_bucket: int = 1,
+    max_rows: int | None = None,
+    kv_cache_gib: float = 0.0,
+    on_finished: Callable[[int, list[int], bool], None] | None = None,
 ) -> Generation:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -107,6 +121,15 @@ def generate(
         prefill_bucket: left-pad the prompts to a multiple of this many tokens (masked: the same tokens), so the
             prefill's shapes - what attention kernels plan for - come from a few buckets instead of every longest
             prompt length (``generation.prefill_bucket``; 1 = to the longest prompt).
+        max_rows: rows decoded at once (``generation.batch_size``; default: every prompt). The samples are those of
+            generating static batches of ``max_rows`` consecutive prompts, batch ``c`` seeded ``seed + c *
+            max_rows``, whatever the slots and refills.
+        kv_cache_gib: bound on the KV cache's memory (GiB, 0 = none): the slots are as many rows of ``longest
+            prompt (bucketed) + max_new_tokens`` columns as fit, at most ``max_rows``; pending samples wait for a
+            free slot. The samples do not change.
+        on_finished: ``on_finished(i, tokens, ended_with_eos)`` for prompt ``i`` as soon as its response has ended
+            (with the cache: in the order they end, while the others are still being generated; every prompt once,
+            before generate returns), e.g. to start scoring it.
 
     Returns:
         :class:`Generation` (see its fields for the exact meaning of ``logprobs``).
@@ -124,49 +147,50 @@ def generate(
         raise NotImplementedError("generate() needs the whole model on this rank (pre_process and post_process)")
     if vocab_size > gpt.vocab_size:
         raise ValueError(f"vocab_size {vocab_size} exceeds the model's embedding rows {gpt.vocab_size}")
-    b = len(prompts)
-    if prefill_bucket < 1:
-        raise ValueError(f"prefill_bucket must be >= 1, got {prefill_bucket}")
-    prompt_len = -(-max(len(p) for p in prompts) // prefill_bucket) * prefill_bucket  # left padding to the bucket
+    n = len(prompts)
+    max_rows = n if max_rows is None else max_rows
+    if prefill_bucket < 1 or max_rows < 1 or kv_cache_gib < 0:
+        raise ValueError(f"need prefill_bucket >= 1, max_rows >= 1 and kv_cache_gib >= 0, got {prefill_bucket}, "
+                         f"{max_rows}, {kv_cache_gib}")
     if tp_group is None:
         tp_group = gpt.pg_collection.tp
     broadcast_src = tdist.get_global_rank(tp_group, 0) if tp_group is not None and tp_group.size() > 1 else None
     device = next(gpt.parameters()).device
-    total = prompt_len + max_new_tokens
-
-    tokens = torch.full((b, total), pad_id, dtype=torch.long, device=device)  # [b, T] left-padded prompt, then new
-    real = torch.zeros((b, total), dtype=torch.bool, device=device)  # [b, T] True = prompt or generated token
-    for i, p in enumerate(prompts):
-        tokens[i, prompt_len - len(p) : prompt_len] = torch.tensor(p, dtype=torch.long, device=device)
-        real[i, prompt_len - len(p) :] = True
-    positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # [b, T] position of each token within its own row
-    state = _Decoding(
-        tokens=tokens, real=real, positions=positions, prompt_len=prompt_len,
-        logprobs=torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device),  # [b, N]
-        done=torch.zeros(b, dtype=torch.bool, device=device),  # [b] row has emitted a stop id
-        stop=torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id or ())), dtype=torch.long,
-                          device=device),  # [k] stop ids
-        sampler=_Sampler(vocab_size, temperature, top_k, top_p, greedy,
-                         torch.Generator(device=device).manual_seed(seed), pad_id, broadcast_src, tp_group, b),
-    )
+    stop = torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id or ())), dtype=torch.long,
+                        device=device)  # [k] stop ids
+    sampling = not (greedy or temperature == 0.0)
+    sampler = _Sampler(vocab_size, temperature, top_k, top_p, greedy, broadcast_src, tp_group,
+                       _uniforms(n, max_new_tokens, max_rows, seed, device) if sampling and max_new_tokens else None)
+    out = _Output.empty(n, max_new_tokens, stop, pad_id, sampler, device)
+    slots = admissions = 0
     with _inference_mode(model, gpt):
         if max_new_tokens == 0:
-            steps = 0
+            pass
         elif use_cache:
-            steps = _decode_cached(gpt, prompts, state, max_new_tokens, cuda_graphs)
+            slots, admissions = _decode_continuous(gpt, prompts, out, max_new_tokens, cuda_graphs, prefill_bucket,
+                                                   min(n, max_rows), kv_cache_gib, on_finished)
         else:
             with _mask_honouring_attention(gpt):
-                steps = _decode_recompute(gpt, state, max_new_tokens)
+                _decode_recompute(gpt, prompts, out, max_new_tokens, prefill_bucket)
+    gen = out.generation()
+    gen.slots, gen.admissions = slots, admissions
+    if on_finished is not None and not use_cache:
+        for i in range(n):
+            on_finished(i, gen.tokens[i], gen.ended_with_eos[i])
+    return gen
 
-    tokens, logprobs = state.tokens, state.logprobs
-    out = Generation(tokens=[], ended_with_eos=[], logprobs=[])
-    stop_ids = set(state.stop.tolist())
-    for row, row_lp in zip(tokens[:, prompt_len : prompt_len + steps].tolist(), logprobs[:, :steps].tolist()):
-        n = next((j + 1 for j, t in enumerate(row) if t in stop_ids), None)  # cut after the first stop id
-        out.tokens.append(row[: n or len(row)])
-        out.logprobs.append(row_lp[: n or len(row)])
-        out.ended_with_eos.append(n is not None)
-    return out
+
+def decode_slots(model, rows: int, length: int, kv_cache_gib: float) -> int:
+    """Rows of ``length`` columns the KV cache holds at once: ``rows``, or as many as fit ``kv_cache_gib`` GiB
+    (0 = no bound); a budget too small for one row is an error."""
+    if kv_cache_gib <= 0:
+        return rows
+    per_row = kv_bytes_per_row(unwrap(model), length)
+    fit = int(kv_cache_gib * 2**30) // per_row
+    if fit < 1:
+        raise ValueError(f"generation.kv_cache_gib={kv_cache_gib} holds no row of {length} columns "
+                         f"({per_row / 2**20:.1f} MiB each): raise it, or lower max_new_tokens")
+    return min(rows, fit)
 
 
 def prepare_generation(model, *, batch: int, length: int, prompt_len: int, vocab_size: int, pad_id: int,
@@ -205,119 +229,213 @@ def prepare_generation(model, *, batch: int, length: int, prompt_len: int, vocab
 
 @dataclass
 class _Sampler:
-    """Picks each step's tokens: the same on every TP rank (broadcast from TP rank 0), a pad for finished rows."""
+    """Picks each step's tokens: the same on every TP rank (broadcast from TP rank 0)."""
 
     vocab_size: int
     temperature: float
     top_k: int
     top_p: float
     greedy: bool
-    generator: torch.Generator
-    pad_id: int
     broadcast_src: int | None
     tp_group: object
-    batch: int  # rows of the whole batch
+    u: torch.Tensor | None  # [N, n + 1] float64: the uniform of sample i's token t at [t, i] (None: greedy)
 
-    def __call__(self, logits: torch.Tensor, done: torch.Tensor, rows: torch.Tensor | None):
-        """logits [n, V_padded] of the rows ``rows`` (None: every row, in order), done [n] -> (tokens [n], their
-        plain log-probs [n]). One uniform is drawn for *every* row of the batch per step, so a row's random stream
-        does not depend on which rows were still being computed."""
-        logits = logits[:, : self.vocab_size].float()  # [n, V] padded vocab rows dropped
-        u = None
-        if not (self.greedy or self.temperature == 0.0):
-            u = torch.rand(self.batch, generator=self.generator, device=logits.device, dtype=torch.float64)  # [b]
-            u = u if rows is None else u[rows]
+    def __call__(self, logits: torch.Tensor, samples: torch.Tensor, steps: torch.Tensor):
+        """logits [k, V_padded] of the rows generating token ``steps`` [k] of samples ``samples`` [k] -> (tokens [k],
+        their plain log-probs [k])."""
+        logits = logits[:, : self.vocab_size].float()  # [k, V] padded vocab rows dropped
+        u = None if self.u is None else self.u[steps, samples]  # [k]
         token = sample_next_token(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                  greedy=self.greedy, u=u)  # [n]
+                                  greedy=self.greedy, u=u)  # [k]
         if self.broadcast_src is not None:  # TP ranks hold identical logits; make identical tokens a guarantee
             tdist.broadcast(token, src=self.broadcast_src, group=self.tp_group)
-        token = torch.where(done, torch.full_like(token, self.pad_id), token)  # finished rows idle
         return token, F.log_softmax(logits, dim=-1).gather(1, token.unsqueeze(1)).squeeze(1)
 
 
-@dataclass
-class _Decoding:
-    """What a decoding loop reads and fills, rows in prompt order."""
+def _uniforms(n: int, max_new_tokens: int, max_rows: int, seed: int, device) -> torch.Tensor:
+    """[N, n + 1] float64: static batch ``c`` (prompts ``[c * max_rows, (c + 1) * max_rows)``) draws its columns
+    step-major from a generator seeded ``seed + c * max_rows`` (one uniform per row per step, as a static batch
+    would draw them); the last column serves idle rows. 8 bytes per sample and token."""
+    u = torch.full((max_new_tokens, n + 1), 0.5, dtype=torch.float64, device=device)
+    for lo in range(0, n, max_rows):
+        hi = min(lo + max_rows, n)
+        generator = torch.Generator(device=device).manual_seed(seed + lo)
+        u[:, lo:hi] = torch.rand(max_new_tokens, hi - lo, generator=generator, device=device, dtype=torch.float64)
+    return u
 
-    tokens: torch.Tensor  # [b, P + N] left-padded prompts, then the generated tokens
-    real: torch.Tensor  # [b, P + N] True = prompt or generated token
-    positions: torch.Tensor  # [b, P + N] position id of each column
-    prompt_len: int  # P
-    logprobs: torch.Tensor  # [b, N]
-    done: torch.Tensor  # [b]
+
+@dataclass
+class _Output:
+    """What the decoding loops fill, one row per sample (prompt order) + an idle row ``n`` that absorbs the writes of
+    rows that are not generating (ended, or free slots)."""
+
+    tokens: torch.Tensor  # [n + 1, N] generated tokens
+    logprobs: torch.Tensor  # [n + 1, N]
+    lengths: torch.Tensor  # [n + 1] tokens generated so far
+    done: torch.Tensor  # [n + 1] the response has ended (a stop id, or N tokens); the idle row always
+    ended: torch.Tensor  # [n + 1] it ended with a stop id
     stop: torch.Tensor  # [k] stop ids
+    pad_id: int
     sampler: _Sampler
 
-    def record(self, step: int, logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """Sample column P + step for ``rows`` (None: all) from their logits [n, V_padded]; returns the tokens [n]."""
-        done = self.done if rows is None else self.done[rows]
-        token, logprob = self.sampler(logits, done, rows)
-        column = self.prompt_len + step
-        if rows is None:
-            self.logprobs[:, step] = logprob
-            self.tokens[:, column] = token
-            if len(self.stop):
-                self.done |= torch.isin(token, self.stop)
-        else:
-            self.logprobs[rows, step] = logprob
-            self.tokens[rows, column] = token
-            if len(self.stop):
-                self.done[rows] = done | torch.isin(token, self.stop)
+    @classmethod
+    def empty(cls, n: int, max_new_tokens: int, stop: torch.Tensor, pad_id: int, sampler: _Sampler, device):
+        done = torch.zeros(n + 1, dtype=torch.bool, device=device)
+        done[n] = True
+        return cls(tokens=torch.full((n + 1, max_new_tokens), pad_id, dtype=torch.long, device=device),
+                   logprobs=torch.zeros((n + 1, max_new_tokens), dtype=torch.float32, device=device),
+                   lengths=torch.zeros(n + 1, dtype=torch.long, device=device), done=done,
+                   ended=torch.zeros(n + 1, dtype=torch.bool, device=device), stop=stop, pad_id=pad_id,
+                   sampler=sampler)
+
+    @property
+    def n(self) -> int:
+        return len(self.done) - 1
+
+    def record(self, logits: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+        """Sample the next token of ``samples`` [k] (the idle row ``n`` for rows not generating) from their logits
+        [k, V_padded] -> the tokens [k] (a pad where not generating)."""
+        running = ~self.done[samples]  # [k]
+        steps = self.lengths[samples].clamp(max=self.tokens.shape[1] - 1)  # [k] index of the token being sampled
+        token, logprob = self.sampler(logits, samples, steps)
+        token = torch.where(running, token, torch.full_like(token, self.pad_id))
+        target = torch.where(running, samples, torch.full_like(samples, self.n))  # idle rows write row n
+        self.tokens[target, steps] = token
+        self.logprobs[target, steps] = logprob
+        stopped = running & torch.isin(token, self.stop) if len(self.stop) else torch.zeros_like(running)
+        self.lengths[target] = torch.where(running, steps + 1, self.lengths[target])
+        self.ended[target] = self.ended[target] | stopped
+        self.done[target] = self.done[target] | stopped | (running & (steps + 1 >= self.tokens.shape[1]))
+        self.done[self.n] = True
         return token
 
+    def response(self, i: int) -> tuple[list[int], list[float], bool]:
+        length = int(self.lengths[i])
+        return self.tokens[i, :length].tolist(), self.logprobs[i, :length].tolist(), bool(self.ended[i])
 
-def _decode_recompute(gpt, s: _Decoding, max_new_tokens: int) -> int:
-    """The reference: every step a full forward over all known columns (no cache) -> steps taken."""
-    padded = not bool(s.real[:, : s.prompt_len].all())
+    def generation(self) -> Generation:
+        lengths = self.lengths[: self.n].tolist()
+        tokens, logprobs = self.tokens[: self.n].tolist(), self.logprobs[: self.n].tolist()
+        return Generation(tokens=[t[:k] for t, k in zip(tokens, lengths)],
+                          logprobs=[lp[:k] for lp, k in zip(logprobs, lengths)],
+                          ended_with_eos=[bool(e) for e in self.ended[: self.n].tolist()])
+
+
+def _left_padded(prompts: list[list[int]], width: int, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [b, width] (prompts left-padded), real [b, width] (True = not padding)."""
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    real = torch.zeros((len(prompts), width), dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
+        real[i, width - len(p) :] = True
+    return ids, real
+
+
+def _bucketed(length: int, bucket: int) -> int:
+    return -(-length // bucket) * bucket
+
+
+def _decode_recompute(gpt, prompts: list[list[int]], out: _Output, max_new_tokens: int, bucket: int) -> None:
+    """The reference: every step a full forward over all known columns of every row (no cache)."""
+    p = _bucketed(max(len(x) for x in prompts), bucket)
+    device = out.tokens.device
+    prompt_ids, prompt_real = _left_padded(prompts, p, out.pad_id, device)
+    tokens = torch.cat([prompt_ids, torch.full((len(prompts), max_new_tokens), out.pad_id, dtype=torch.long,
+                                               device=device)], dim=1)  # [b, P + N]
+    real = torch.cat([prompt_real, torch.ones((len(prompts), max_new_tokens), dtype=torch.bool, device=device)], 1)
+    positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # [b, P + N] position of each token within its row
+    padded = not bool(prompt_real.all())
+    samples = torch.arange(len(prompts), device=device)
     for step in range(max_new_tokens):
-        end = s.prompt_len + step  # columns [0, end) are known; this step predicts column `end`
-        mask = _attention_mask(s.real[:, :end], end) if padded else None  # [b, 1, end, end] True = masked out
-        logits = gpt(s.tokens[:, :end].contiguous(), s.positions[:, :end].contiguous(), mask,
+        end = p + step  # columns [0, end) are known; this step predicts column `end`
+        mask = _attention_mask(real[:, :end], end) if padded else None  # [b, 1, end, end] True = masked out
+        logits = gpt(tokens[:, :end].contiguous(), positions[:, :end].contiguous(), mask,
                      runtime_gather_output=True)  # [b, end, V_padded], full vocab on every TP rank
-        s.record(step, logits[:, -1], None)
-        if len(s.stop) and bool(s.done.all()):
-            return step + 1
-    return max_new_tokens
+        tokens[:, end] = out.record(logits[:, -1], samples)
+        if bool(out.done.all()):
+            return
 
 
-def _decode_cached(gpt, prompts: list[list[int]], s: _Decoding, max_new_tokens: int, cuda_graphs: bool) -> int:
-    """Static KV cache (:mod:`~align_pipeline.model.decode`): identical prompts prefilled once, then one column per
-    step over the rows still running (compacted to a smaller graph when half of them have finished) -> steps taken."""
-    b, p = len(prompts), s.prompt_len
-    first: dict[tuple[int, ...], int] = {}
-    owner = [first.setdefault(tuple(x), i) for i, x in enumerate(prompts)]  # [b] first row with the same prompt
-    unique = sorted(set(owner))
-    engine = decode_engine(gpt, b, p + max_new_tokens)
+def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_tokens: int, cuda_graphs: bool,
+                       bucket: int, slots: int, kv_cache_gib: float, on_finished) -> tuple[int, int]:
+    """Static KV cache (:mod:`~align_pipeline.model.decode`) of ``slots`` rows (fewer under ``kv_cache_gib``), kept
+    full: samples enter free slots in order (identical prompts entering together prefilled once), one token per slot
+    per step, ended responses checked for every few steps and their slots refilled; with nothing pending, the step is
+    compacted to the rows still running once half of them have ended -> (slots, refills)."""
+    n, device = len(prompts), out.tokens.device
+    length = _bucketed(max(len(x) for x in prompts), bucket) + max_new_tokens
+    slots = decode_slots(gpt, slots, length, kv_cache_gib)
+    engine = decode_engine(gpt, slots, length, max_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib > 0 else None)
     graphs = cuda_graphs and engine.device.type == "cuda"
-    # Check for finished rows every few steps on a GPU (each check waits for the GPU), every step on the CPU.
+    # Ended rows are looked for every few steps on a GPU (each look waits for the GPU), every step on the CPU; free
+    # slots are refilled once a sixteenth of them are free (each refill is a prefill).
     check_every = 8 if engine.device.type == "cuda" else 1
+    refill_at = max(1, slots // 16)
+    held: list[int | None] = [None] * slots  # the sample in each slot (host copy)
+    made = [0] * slots  # tokens the slot's sample has (host count; a stop id may end it sooner)
+    slot_sample = torch.full((slots,), n, dtype=torch.long, device=device)  # [slots] n = idle
+    pending, rows, admissions = 0, 0, -1  # next sample to enter; slots [0, rows) are stepped
+
+    def admit(free: list[int]) -> None:
+        nonlocal pending, rows, admissions
+        chosen = free[: n - pending]
+        samples = list(range(pending, pending + len(chosen)))
+        pending += len(chosen)
+        first: dict[tuple[int, ...], int] = {}
+        owner = [first.setdefault(tuple(prompts[i]), j) for j, i in enumerate(samples)]  # first entrant alike
+        unique = sorted(set(owner))
+        ids, real = _left_padded([prompts[samples[j]] for j in unique],
+                                 _bucketed(max(len(prompts[samples[j]]) for j in unique), bucket), out.pad_id, device)
+        positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
+        slot_of = torch.tensor(chosen, device=device)  # [k]
+        logits = engine.prefill(gpt, ids, positions, None if bool(real.all()) else real,
+                                slot_of[torch.tensor(unique, device=device)])  # [u, V_padded]
+        if len(unique) < len(chosen):
+            copies = [j for j in range(len(chosen)) if owner[j] != j]
+            engine.copy_rows(slot_of[torch.tensor(copies, device=device)],
+                             slot_of[torch.tensor([owner[j] for j in copies], device=device)])
+            logits = logits.index_select(0, torch.tensor([unique.index(o) for o in owner], device=device))
+        sample_of = torch.tensor(samples, device=device)
+        slot_sample[slot_of] = sample_of
+        engine.ids[slot_of] = out.record(logits, sample_of)
+        for slot, i in zip(chosen, samples):
+            held[slot], made[slot] = i, 1
+        rows = max(rows, max(chosen) + 1)
+        admissions += 1
+
     with engine.attached(gpt):
-        rows_u = torch.tensor(unique, device=s.tokens.device)
-        real = s.real[rows_u, :p]
-        logits = engine.prefill(gpt, s.tokens[rows_u, :p], s.positions[rows_u, :p],
-                                None if bool(real.all()) else real)  # [u, V_padded]
-        if len(unique) < b:
-            index = torch.tensor([unique.index(o) for o in owner], device=logits.device)  # [b] unique row of each
-            engine.expand(index)
-            logits = logits.index_select(0, index)
-        engine.start(p, s.positions[:, p])
-        rows, n = None, b  # rows: the prompt row of each engine row (None = identity), n of them still running
-        for step in range(max_new_tokens):
-            if step:
-                logits = engine.decode(gpt, engine.width(n), graphs)[:n]
-            engine.ids[:n] = s.record(step, logits, rows)
-            if not len(s.stop) or (step + 1) % check_every:
-                continue
-            running = ~s.done if rows is None else ~s.done[rows]  # [n]
-            left = int(running.sum())
-            if left == 0:
-                return step + 1
-            if engine.width(left) <= engine.width(n) // 2:
-                slots = running.nonzero().squeeze(1)  # [left]
-                engine.compact(slots)
-                rows = slots if rows is None else rows[slots]
-                n = left
-    return max_new_tokens
+        admit(list(range(slots)))
+        while True:
+            ended = out.done[slot_sample[:rows]].tolist()  # waits for the GPU
+            finished = [slot for slot in range(rows) if held[slot] is not None and ended[slot]]
+            if finished:
+                for slot in finished:
+                    if on_finished is not None:
+                        tokens, _, eos = out.response(held[slot])
+                        on_finished(held[slot], tokens, eos)
+                    held[slot] = None
+                slot_sample[torch.tensor(finished, device=device)] = n
+            free = [slot for slot in range(slots) if held[slot] is None]
+            if pending < n and free and (len(free) >= refill_at or len(free) == slots):
+                admit(free)
+                continue  # an entrant may have ended at its first token
+            running = [slot for slot in range(rows) if held[slot] is not None]
+            if not running:
+                break
+            if pending == n and engine.width(len(running)) <= engine.width(rows) // 2:
+                engine.compact(torch.tensor(running, device=device))
+                slot_sample[: len(running)] = slot_sample[torch.tensor(running, device=device)].clone()
+                slot_sample[len(running) :] = n
+                held[:] = [held[s] for s in running] + [None] * (slots - len(running))
+                made[:] = [made[s] for s in running] + [0] * (slots - len(running))
+                rows = len(running)
+            steps = min(check_every, max(max_new_tokens - made[slot] for slot in range(rows)
+                                         if held[slot] is not None))
+            for _ in range(steps):
+                logits = engine.decode(gpt, engine.width(rows), graphs)[:rows]
+                engine.ids[:rows] = out.record(logits, slot_sample[:rows])
+            made[:] = [m + steps for m in made]
+    return slots, admissions
 
 
 # Module attributes that switch sequence parallelism (the list Megatron's own inference code toggles).

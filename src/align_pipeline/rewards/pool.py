@@ -6,6 +6,8 @@ functions by name: ``module:function``, as configured), waits at most ``timeout_
 scores a response whose call runs over 0 on every function, counting it (``rollout/reward_timeouts``). The pool is
 then terminated - which ends the hung call - and the responses not collected yet go to a fresh one (reward functions
 are pure, so computing one again changes nothing). An exception inside a function is raised in the job, as serially.
+Responses can be submitted one by one as generation finishes them (:meth:`RewardPool.submit`), so that scoring
+overlaps with the rest of the rollout.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class RewardPool:
             raise ValueError(f"RewardPool needs workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
         self.specs, self.workers, self.timeout_s = tuple(specs), workers, timeout_s
         self._pool = None
+        self._items: dict[int, tuple[str, str, dict[str, Any]]] = {}  # submitted, not collected yet
+        self._waiting: dict[int, Any] = {}  # their AsyncResults
 
     def _get(self):
         if self._pool is None:  # spawned: a fork of a process with CUDA / OpenMP threads is not safe
@@ -47,33 +51,48 @@ class RewardPool:
 
     def close(self) -> None:
         """End the workers (hung ones too)."""
+        self._items, self._waiting = {}, {}
         if self._pool is not None:
             self._pool.terminate()
             self._pool.join()
             self._pool = None
 
+    def submit(self, i: int, item: tuple[str, str, dict[str, Any]]) -> None:
+        """Start computing response ``i``'s values now (prompt, response, record), e.g. as soon as generation has
+        finished it; :meth:`values` collects it."""
+        self._items[i] = item
+        self._waiting[i] = self._get().apply_async(_values, (self.specs, *item))
+
     def values(self, items: list[tuple[str, str, dict[str, Any]]]) -> tuple[list[list[float]], int]:
         """(each response's function values, in order; how many timed out and scored 0) for ``items`` =
-        (prompt, response, record) per response."""
+        (prompt, response, record) per response. Responses :meth:`submit`-ted already (the same item) are not
+        computed again; the others start now. Each response gets ``timeout_s`` from when it is waited for."""
+        for i, item in enumerate(items):
+            if self._items.get(i) != item:
+                self.submit(i, item)
         results: dict[int, list[float]] = {}
         timeouts = 0
-        pending = list(range(len(items)))
-        while pending:
-            pool = self._get()
-            waiting = {i: pool.apply_async(_values, (self.specs, *items[i])) for i in pending}
-            late = None
-            for i in pending:
-                try:
-                    results[i] = waiting[i].get(timeout=self.timeout_s)
-                except multiprocessing.TimeoutError:
-                    late = i
+        try:
+            while len(results) < len(items):
+                late = None
+                for i in range(len(items)):
+                    if i in results:
+                        continue
+                    try:
+                        results[i] = self._waiting[i].get(timeout=self.timeout_s)
+                    except multiprocessing.TimeoutError:
+                        late = i
+                        break
+                if late is None:
                     break
-            if late is None:
-                break
-            results[late] = [0.0] * len(self.specs)  # ran over: 0 on every function, counted
-            timeouts += 1
-            self.close()  # ends the hung call; what was not collected yet goes to a fresh pool
-            pending = [i for i in pending if i not in results]
+                results[late] = [0.0] * len(self.specs)  # ran over: 0 on every function, counted
+                timeouts += 1
+                self.close()  # ends the hung call; what was not collected yet goes to a fresh pool
+                for i in range(len(items)):
+                    if i not in results:
+                        self.submit(i, items[i])
+        finally:
+            self._items, self._waiting = {}, {}
         return [results[i] for i in range(len(items))], timeouts
 
     def __del__(self) -> None:

@@ -51,15 +51,13 @@ def sample(model, prompts: list[list[int]], g: GenerationConfig, tok, vocab: int
     max_new = min(g.max_new_tokens, seq_length - max(len(p) for p in prompts))  # stay within the trained length
     mine = list(range(dist.dp_rank, len(prompts), dist.dp_size))  # DP ranks split the prompts
     out_tokens, out_logps, out_eos = [], [], []
-    for start in range(0, len(mine), g.batch_size):
-        idx = mine[start : start + g.batch_size]
-        gen = generate(model, [prompts[i] for i in idx], max_new_tokens=max_new, eos_id=tok.stop_ids,
+    if mine:  # continuous batching over at most batch_size rows; the samples of static batches of that size
+        gen = generate(model, [prompts[i] for i in mine], max_new_tokens=max_new, eos_id=tok.stop_ids,
                        pad_id=tok.pad_id, vocab_size=vocab, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                       greedy=greedy, seed=g.seed + 1000 * dist.dp_rank + start, cuda_graphs=g.cuda_graphs,
-                       tp_group=dist.pgs.tp)
-        out_tokens += gen.tokens
-        out_logps += gen.logprobs
-        out_eos += gen.ended_with_eos
+                       greedy=greedy, seed=g.seed + 1000 * dist.dp_rank, cuda_graphs=g.cuda_graphs,
+                       tp_group=dist.pgs.tp, prefill_bucket=g.prefill_bucket, max_rows=g.batch_size,
+                       kv_cache_gib=g.kv_cache_gib)
+        out_tokens, out_logps, out_eos = gen.tokens, gen.logprobs, gen.ended_with_eos
     gathered = [None] * dist.world_size
     tdist.all_gather_object(gathered, (mine, out_tokens, out_logps, out_eos))
     tokens, logps, eos = [None] * len(prompts), [None] * len(prompts), [None] * len(prompts)

@@ -98,7 +98,8 @@ class RLStage:
         offload.optimizers_to("cpu")
         with timings("timing/generate_s"):
             r = rollout.generate_rollout(actor.model, self.prompts.local(iteration), gen, self.tok, vocab, dist,
-                                         self.seq_length, rollout.iteration_seed(gen.seed, iteration, dist.dp_rank))
+                                         self.seq_length, rollout.iteration_seed(gen.seed, iteration, dist.dp_rank),
+                                         pool=self.reward_pool)
         with timings("timing/score_s"):
             offload.frozen_to(dist.device)
             scores = rollout.score(r, self.cfg.reward, self.reward_fns, self.rm, self.rm_forward, mbs, dist,

@@ -16,7 +16,7 @@ import torch.distributed as tdist
 
 from align_pipeline.config.common import GenerationConfig, RewardConfig
 from align_pipeline.model import lora
-from align_pipeline.model.generate import generate, prepare_generation
+from align_pipeline.model.generate import decode_slots, generate, prepare_generation
 from align_pipeline.model.sequences import token_logprobs_forward, token_values_forward
 from align_pipeline.rewards.base import RewardFunctions
 from align_pipeline.rl.advantages import overlong_shaping
@@ -39,6 +39,10 @@ class Rollout:
     """input_ids, labels, loss_mask [n, s] on the device; the stages add per-token tensors."""
     texts: list[str]
     """Decoded responses."""
+    slots: int = 0
+    """Rows the generation decoded at once."""
+    refills: int = 0
+    """Times free rows were given pending samples (continuous batching)."""
 
     @property
     def n(self) -> int:
@@ -46,26 +50,30 @@ class Rollout:
 
 
 def generate_rollout(policy, records: list[dict], gen: GenerationConfig, tok, vocab_size: int, dist: Dist,
-                     seq_length: int, seed: int, greedy: bool = False) -> Rollout:
-    """Sample ``gen.samples_per_prompt`` responses per record (KV-cached), in batches of ``gen.batch_size`` rows."""
+                     seq_length: int, seed: int, greedy: bool = False, pool=None) -> Rollout:
+    """Sample ``gen.samples_per_prompt`` responses per record (KV-cached, continuous batching over at most
+    ``gen.batch_size`` rows at once, fewer under ``gen.kv_cache_gib``). With ``pool`` (a
+    :class:`~align_pipeline.rewards.pool.RewardPool`), each response is handed to it as soon as it has ended, so
+    that the reward functions run while the rest of the rollout is generated."""
     prompts = [r["prompt_ids"] for r in records for _ in range(gen.samples_per_prompt)]
     row_records = [r for r in records for _ in range(gen.samples_per_prompt)]
     longest = max(len(p) for p in prompts)
     if longest >= seq_length:
         raise ValueError(f"a prompt has {longest} tokens; the model's seq_length {seq_length} leaves no room")
     max_new = min(gen.max_new_tokens, seq_length - longest)
-    tokens, eos, logprobs = [], [], []
-    for start in range(0, len(prompts), gen.batch_size):
-        g = generate(policy, prompts[start : start + gen.batch_size], max_new_tokens=max_new, eos_id=tok.stop_ids,
-                     pad_id=tok.pad_id, vocab_size=vocab_size, temperature=gen.temperature, top_k=gen.top_k,
-                     top_p=gen.top_p, greedy=greedy, seed=seed + start, cuda_graphs=gen.cuda_graphs,
-                     tp_group=dist.pgs.tp, prefill_bucket=gen.prefill_bucket)
-        tokens += g.tokens
-        eos += g.ended_with_eos
-        logprobs += g.logprobs
-    arrays = to_rows(prompts, tokens, seq_length, tok.pad_id, logprobs)
+
+    def score_early(i: int, tokens: list[int], _eos: bool) -> None:
+        pool.submit(i, (row_records[i]["prompt"], tok.decode(tokens), row_records[i]))
+
+    g = generate(policy, prompts, max_new_tokens=max_new, eos_id=tok.stop_ids, pad_id=tok.pad_id,
+                 vocab_size=vocab_size, temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, greedy=greedy,
+                 seed=seed, cuda_graphs=gen.cuda_graphs, tp_group=dist.pgs.tp, prefill_bucket=gen.prefill_bucket,
+                 max_rows=gen.batch_size, kv_cache_gib=gen.kv_cache_gib,
+                 on_finished=score_early if pool is not None else None)
+    arrays = to_rows(prompts, g.tokens, seq_length, tok.pad_id, g.logprobs)
     rows = {k: torch.from_numpy(v).to(dist.device) for k, v in arrays.items()}
-    return Rollout(row_records, tokens, eos, rows, [tok.decode(t) for t in tokens])
+    return Rollout(row_records, g.tokens, g.ended_with_eos, rows, [tok.decode(t) for t in g.tokens],
+                   slots=g.slots, refills=g.admissions)
 
 
 def prepare_rollouts(policy, prompts: PromptStream, iteration: int, gen: GenerationConfig, tok, vocab_size: int,
@@ -79,8 +87,9 @@ def prepare_rollouts(policy, prompts: PromptStream, iteration: int, gen: Generat
     rows = len(prompts.local(iteration)) * gen.samples_per_prompt
     longest = max(len(r["prompt_ids"]) for r in prompts.records)
     bucketed = -(-longest // gen.prefill_bucket) * gen.prefill_bucket  # the prefill width rollouts will have
-    t = prepare_generation(policy, batch=min(rows, gen.batch_size),
-                           length=max(min(seq_length, longest + gen.max_new_tokens), bucketed + 9),
+    length = max(min(seq_length, longest + gen.max_new_tokens), bucketed + 9)
+    t = prepare_generation(policy, batch=decode_slots(policy, min(rows, gen.batch_size), length, gen.kv_cache_gib),
+                           length=length,
                            prompt_len=bucketed, vocab_size=vocab_size, pad_id=tok.pad_id, cuda_graphs=gen.cuda_graphs,
                            temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, tp_group=dist.pgs.tp)
     return {"timing/decode_capture_s": t["capture_s"], "timing/decode_setup_s": t["setup_s"]}
@@ -201,6 +210,8 @@ def rollout_stats(r: Rollout, scores: Scores, rewards: RewardFunctions, dist: Di
     stats.add("rollout/response_length/mean", lengths, std=False)
     stats.add_quantiles("rollout/response_length", lengths, {"p50": 0.5, "p90": 0.9, "max": 1.0})
     stats.add("rollout/response_length/clip_fraction", 1.0 - ended, std=False)
+    stats.add("rollout/decode_slots", torch.tensor([float(r.slots)], device=dist.device), std=False)
+    stats.add("rollout/decode_refills", torch.tensor([float(r.refills)], device=dist.device), std=False)
     return stats
 
 
