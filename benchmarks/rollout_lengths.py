@@ -70,10 +70,12 @@ def timed(fn, repeats: int) -> tuple[float, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, help="where the HF model directory is written (default: OUT)")
     parser.add_argument("--shape", default="1b", choices=list(RUNS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mean", type=float, default=400.0, help="mean response length wanted (variable lengths)")
-    parser.add_argument("--hbm-tb-s", type=float, default=4.8, help="peak HBM bandwidth (H200: 4.8, H100 SXM: 3.35)")
+    parser.add_argument("--hbm-tb-s", type=float, default=None,
+                        help="peak HBM bandwidth in TB/s (default: H200 4.8, H100 3.35, by the device's name)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -88,18 +90,21 @@ def main(argv: list[str] | None = None) -> None:
     from align_pipeline.model.generate import generate, prepare_generation
     from align_pipeline.train.core.distributed import init_distributed
 
+    if args.hbm_tb_s is None:
+        args.hbm_tb_s = 3.35 if "H100" in device_name() else 4.8
     run = RUNS[args.shape]
     dist = init_distributed(ParallelConfig(bf16=True), seed=0)
     shape = model_shape(run["model"])
     vocab = shape["vocab_size"]
-    params = make_hf_model(args.out / "hf", shape, seed=0)
+    work = args.work or args.out
+    params = make_hf_model(work / "hf", shape, seed=0)
     new, bucket, slots = run["new"], run["bucket"], run["slots"]
     rng = random.Random(1)
     lo, hi = run["prompt_range"]
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(run["prompts"])]
     rows = [p for p in prompts for _ in range(run["samples"])]
     longest = -(-max(len(p) for p in rows) // bucket) * bucket
-    source = init.resolve(str(args.out / "hf"), ModelConfig(attention_backend="sdpa"), tokenizer_vocab_size=0)
+    source = init.resolve(str(work / "hf"), ModelConfig(attention_backend="sdpa"), tokenizer_vocab_size=0)
     source = dataclasses.replace(source, model=dataclasses.replace(source.model, seq_length=longest + new))
     gpt = init.build_model(source, ParallelConfig(bf16=True), dist)
     gpt.eval()
@@ -115,9 +120,13 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.date.today().isoformat(), "device": device_name(), "versions": versions(),
         "command": "python benchmarks/rollout_lengths.py " + " ".join(argv or sys.argv[1:]),
         "parameters": params, "rows": len(rows), "prompt_lengths": [len(p) for p in prompts], "max_new_tokens": new,
-        "stop_ids": len(stops), "kv_mib_per_row": row_bytes / 2**20, "results": {},
+        "stop_ids": len(stops), "kv_mib_per_row": row_bytes / 2**20, "hbm_tb_s": args.hbm_tb_s, "results": {},
     }
     results = report["results"]
+
+    def save() -> None:  # after every section: a run stopped by a time limit keeps what it measured
+        (args.out / "rollout_lengths.json").write_text(json.dumps(report, indent=1))
+
     t = prepare_generation(gpt, batch=len(rows), length=longest + new, prompt_len=longest, vocab_size=vocab,
                            pad_id=0)
     report["setup_s"] = t["setup_s"]
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     floor_s = (new * weights + real_columns * row_bytes / (longest + new)) / (args.hbm_tb_s * 1e12)
     results["uniform"] = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
                           "ms_per_step": 1000 * wall / new, "hbm_floor_s": floor_s, "of_floor": floor_s / wall}
+    save()
 
     # ---- variable lengths: the same samples four ways
     call(rows)  # warm
@@ -141,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     report["lengths"] = {"mean": statistics.mean(lengths), "p50": statistics.median(lengths),
                          "p90": sorted(lengths)[int(0.9 * (len(lengths) - 1))], "max": max(lengths),
                          "clipped": sum(not e for e in ours.ended_with_eos)}
+    save()
 
     def naive():
         g = call(rows, eos_id=None, max_new_tokens=max(lengths))
@@ -150,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     wall, cut = timed(naive, max(1, args.repeats - 2))
     results["naive_static"] = {"wall_s": wall, "tokens_per_s": sum(len(x) for x in cut) / wall,
                                "same_samples": same(cut, ours.tokens)}
+    save()
 
     def chunks():
         out = []
@@ -159,12 +171,13 @@ def main(argv: list[str] | None = None) -> None:
 
     wall, chunked = timed(chunks, args.repeats)
     results["static_batches_64"] = {"wall_s": wall, "tokens_per_s": sum(len(x) for x in chunked) / wall}
+    save()
     wall, cont = timed(lambda: call(rows, max_rows=slots, kv_cache_gib=budget_64 * 1.0001), args.repeats)
     results["continuous_64"] = {"wall_s": wall, "tokens_per_s": sum(len(x) for x in cont.tokens) / wall,
                                 "slots": cont.slots, "refills": cont.admissions,
                                 "same_samples": same(cont.tokens, chunked)}
     report["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    (args.out / "rollout_lengths.json").write_text(json.dumps(report, indent=1))
+    save()
     (args.out / "rollout_lengths.md").write_text(markdown(report))
     print(markdown(report))
 

@@ -42,6 +42,11 @@ def register_pipelines() -> dict[str, Pipeline]:
         "steerlm_reward_model": regression + reward_model.create_pipeline(data="reg").tag("reward_model"),
         # the reinforce stage with the catalog's reward model wired in (reward.reward_model_weight > 0)
         "reinforce_rm": reinforce.create_pipeline(reward_model=True).tag("reinforce"),
+        # RL from a model (reinforce.init_from: an HF directory or a checkpoint), no SFT or preference data: the
+        # prompts' data_prep, then REINFORCE whose KL reference is its start (conf/reasoning_example)
+        "data_prep_prompts": data_prep.create_prompts_pipeline().tag("data_prep"),
+        "reasoning": data_prep.create_prompts_pipeline().tag("data_prep")
+        + reinforce.create_pipeline(sft_policy=False).tag("reinforce"),
         # run after training (`kedro run --pipelines export`); not part of __default__, which trains
         "export": export.create_pipeline().tag("export"),
     }

@@ -8,12 +8,14 @@ import functools
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 from jobs import TINY_MODEL
 
 from align_pipeline.config import (
+    DynamicSamplingConfig,
     GenerationConfig,
     KLConfig,
     LaunchConfig,
@@ -87,10 +89,10 @@ def reinforce_job(models, run_dir: Path, iterations: int = 2, stop_after: int | 
                         stop_after=stop_after)
 
 
-def run(module: str, job, nproc: int = 1) -> dict:
+def run(module: str, job, nproc: int = 1, env: dict[str, str] | None = None) -> dict:
     Path(job.paths.run_dir).mkdir(parents=True, exist_ok=True)
     return run_torchrun(f"align_pipeline.train.{module}", to_dict(job), LaunchConfig(nproc_per_node=nproc),
-                        job.paths.run_dir)
+                        job.paths.run_dir, env=env)
 
 
 def outputs_of(model_dir: str, run_dir: Path, nproc: int = 1, parallel: dict | None = None):
@@ -276,3 +278,37 @@ def test_reward_workers_score_as_the_rank_does(models, tmp_path):
     for key in ("rollout/rewards_mean", "rollout/accuracy"):
         assert results[2][key] == results[0][key], key
     assert results[2]["rollout/reward_timeouts"] == 0 == results[0]["rollout/reward_timeouts"]
+
+
+def test_dynamic_sampling_drops_groups_without_signal_and_refills(models, tmp_path):
+    """DAPO's dynamic sampling. A reward with signal in every group: nothing is dropped, and the run is the run
+    without dynamic sampling. A reward that scores every response of half the prompts 0: those groups are dropped,
+    later rounds refill the batch (no trained group without signal), and a run resumed after iteration 1 samples
+    and trains exactly as the uninterrupted one."""
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+
+    def job(name: str, reward: str, enabled: bool = True, **kw):
+        return reinforce_job(models, tmp_path / name, reward=RewardConfig(
+            reward_model_weight=0.0, functions=[RewardFunctionConfig(name=f"group_reward:{reward}")]),
+            dynamic_sampling=DynamicSamplingConfig(enabled=enabled, max_rounds=6), **kw)
+
+    (off,) = run("reinforce", job("off", "every_group_with_signal", enabled=False, iterations=1), env=env)["history"]
+    (on,) = run("reinforce", job("on", "every_group_with_signal", iterations=1), env=env)["history"]
+    assert on["rollout/dynamic_sampling/rounds"] == 1 and on["rollout/dynamic_sampling/dropped_groups"] == 0
+    assert {k: v for k, v in on.items() if "dynamic_sampling" not in k and k.startswith(DETERMINISTIC)} == {
+        k: v for k, v in off.items() if k.startswith(DETERMINISTIC)}
+
+    full = run("reinforce", job("full", "half_without_signal", iterations=2), env=env)
+    for it in full["history"]:
+        assert it["rollout/dynamic_sampling/dropped_groups"] > 0 and it["rollout/dynamic_sampling/rounds"] > 1, it
+        assert it["rollout/dynamic_sampling/padded_groups"] == 0, it
+        assert it["rollout/fraction_of_groups_without_signal"] == 0, it
+    assert run("reinforce", job("resumed", "half_without_signal", iterations=2, stop_after=1),
+               env=env)["stopped_at_iteration"] == 1
+    resumed = run("reinforce", job("resumed", "half_without_signal", iterations=2), env=env)
+    assert _deterministic(resumed["history"]) == _deterministic(full["history"][1:])
+
+    # no group ever has signal: every round runs, dropped groups fill the batch (zero advantages)
+    (none,) = run("reinforce", job("none", "no_signal", iterations=1), env=env)["history"]
+    assert none["rollout/dynamic_sampling/rounds"] == 6 and none["rollout/dynamic_sampling/padded_groups"] == 8
+    assert none["rollout/dynamic_sampling/dropped_groups"] == 6 * 8 and none["rollout/advantages_mean"] == 0

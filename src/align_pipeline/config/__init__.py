@@ -24,6 +24,7 @@ _EXPORTS = {
     "DPOConfig": "dpo",
     "DPOJob": "dpo",
     "DPOPaths": "dpo",
+    "DynamicSamplingConfig": "reinforce",
     "EvaluationConfig": "evaluation",
     "EvaluationJob": "evaluation",
     "EvaluationPaths": "evaluation",

@@ -62,11 +62,31 @@ class ReinforceLossConfig:
 
 
 @dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (Yu et al. 2025, "DAPO: an open-source LLM reinforcement learning system at scale",
+    section 3.2): a group whose scores are all equal has zero advantages and so no policy gradient; it is dropped
+    and more prompts are sampled until the iteration has ``rl.prompts_per_iteration`` groups with signal."""
+
+    enabled: bool = False
+    """Off by default: every group is trained on, with or without signal."""
+    max_rounds: int = 4
+    """Generation rounds per iteration at most, the first included. Each later round samples as many prompts as the
+    first, drawn from the whole prompt set by a seeded draw of (seed, iteration, round), so a resumed run samples
+    the same. When the rounds are spent with too few groups with signal, dropped groups (zero advantage) fill the
+    batch: every DP rank trains on the same number of rows (``rollout/dynamic_sampling/padded_groups``)."""
+
+    def validate(self, where: str = "dynamic_sampling") -> None:
+        require_range(self, where, "max_rounds", 1)
+
+
+@dataclass
 class ReinforceConfig(RLConfig):
     """``params:reinforce``: RLOO / GRPO with ``generation.samples_per_prompt`` >= 2, no critic."""
 
     loss: ReinforceLossConfig = field(default_factory=ReinforceLossConfig)
     """Which group baseline, and the clip of the multi-step form."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO's dynamic sampling: groups without signal dropped, the batch refilled (off by default)."""
 
     def validate(self, where: str = "reinforce") -> None:
         if self.generation.samples_per_prompt < 2:

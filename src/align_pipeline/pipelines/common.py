@@ -74,20 +74,22 @@ def train_paths(section: StageRunConfig, stage_name: str, *, tokenizer: Artifact
 
 
 def rl_paths(section: StageRunConfig, stage_name: str, *, tokenizer: Artifact, prompts_train: Artifact,
-             prompts_val: Artifact, sft_policy: str, reward_model: str | None, key: dict[str, Any]
+             prompts_val: Artifact, sft_policy: str | None, reward_model: str | None, key: dict[str, Any]
              ) -> tuple[RLPaths, dict[str, Any]]:
     """The paths and lineage of an RL stage's job: the policy starts from ``section.init_from`` or sft_policy, the
-    KL reference is sft_policy; ``key`` holds the job's config sections."""
+    KL reference is sft_policy, or without one (RL from a model) the policy's start; ``key`` holds the job's config
+    sections."""
     policy = section.init_from or sft_policy
+    reference = sft_policy or policy
     lineage = {"data": data_lineage(tokenizer, prompts_train, prompts_val), "parent_checkpoint": policy,
-               "reference": sft_policy, "reward_model": reward_model}
+               "reference": reference, "reward_model": reward_model}
     check_checkpoint_tokenizers(tokenizer, **{f"{stage_name}'s starting policy": policy, "sft_policy": sft_policy,
                                               "reward_model": reward_model})
     run_dir = run_dir_for(section, stage_name, {"lineage": lineage, **key})
     lineage["reuse_key"] = content_key(stage_name, lineage, key)
     paths = RLPaths(run_dir=run_dir, prompts=str(Path(prompts_train.path).resolve()),
                     val_prompts=str(Path(prompts_val.path).resolve()), tokenizer=str(Path(tokenizer.path).resolve()),
-                    policy=policy, reference=sft_policy, reward_model=reward_model)
+                    policy=policy, reference=reference, reward_model=reward_model)
     return paths, lineage
 
 

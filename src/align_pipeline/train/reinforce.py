@@ -98,6 +98,9 @@ def main(job: ReinforceJob) -> dict:
         stats.add("rollout/init_policy_kl", (kl_penalty(old_logp, ref_logp, "k1") * mask).sum(-1), std=False)
         stats.add("rollout/advantages", advantages)
         stats.add("rollout/fraction_of_groups_without_signal", groups_without_signal(groups).double(), std=False)
+        for key, value in stage.sampling.items():  # dynamic sampling: rounds (mean over DP), groups (total)
+            stats.add(f"rollout/dynamic_sampling/{key}", torch.tensor([value], device=dist.device),
+                      total=key != "rounds", std=False)
         if clipped:  # the training forward ran over the rollout: its mismatch with the engine
             rollout.mismatch_stats(stats, r.rows, old_logp)
         m = stats.reduce()

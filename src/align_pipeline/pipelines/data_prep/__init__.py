@@ -4,6 +4,7 @@ from align_pipeline import lazy_exports
 
 _EXPORTS = {
     "create_pipeline": "pipeline",
+    "create_prompts_pipeline": "pipeline",
     "create_regression_pipeline": "pipeline",
 }
 """Re-exported name -> the submodule that defines it (imported when the name is first read; sorted)."""

@@ -31,13 +31,22 @@ def validate_raw_data(
     Returns the data and the dubious counts."""
     config = from_dict(DataPrepConfig, params, "data_prep")  # fail on bad parameters before reading data
     artifacts = {"sft": raw_sft, "preference": raw_preference, "prompts": raw_prompts}
-    raw = {kind: read_raw_jsonl(a.path, kind, source=a.meta.get("source")) for kind, a in artifacts.items()}
+    raw = {kind: read_raw_jsonl(a.path, kind, source=a.meta.get("source")) for kind, a in artifacts.items()
+           if a is not None}
     prompts = raw["prompts"]
     check_prompts(prompts.records, prompts.lines, prompts.source,
                   {"ppo": ppo, "reinforce": reinforce, "evaluation": evaluation})
     dubious = [find_dubious(data) for data in raw.values()]
     handle_dubious(dubious, config.dubious)
     return raw, {key: n for d in dubious for key, n in d.metrics().items()}
+
+
+def validate_raw_prompts(raw_prompts: Artifact, params: dict[str, Any], ppo: dict[str, Any],
+                         reinforce: dict[str, Any], evaluation: dict[str, Any]
+                         ) -> tuple[dict[str, RawData], dict[str, int]]:
+    """:func:`validate_raw_data` of the prompts alone (``data_prep_prompts``: RL from a model, no SFT or preference
+    data)."""
+    return validate_raw_data(None, None, raw_prompts, params, ppo, reinforce, evaluation)
 
 
 def fit_tokenizer(raw: dict[str, RawData], params: dict[str, Any]) -> TextTokenizer:
@@ -68,6 +77,30 @@ def tokenize_and_split(
     Returns the tokenizer (persisted here, after all checks), sft/pref/prompts train and val bundles, and metrics
     (sample counts, longest sample, source hashes, the dubious counts of :func:`validate_raw_data`).
     """
+    splits, metrics = _tokenize(raw, tokenizer, dubious, params, model)
+    return (
+        tokenizer,
+        splits["sft"]["train"],
+        splits["sft"]["val"],
+        splits["preference"]["train"],
+        splits["preference"]["val"],
+        splits["prompts"]["train"],
+        splits["prompts"]["val"],
+        metrics,
+    )
+
+
+def tokenize_prompts(raw: dict[str, RawData], tokenizer: TextTokenizer, dubious: dict[str, int],
+                     params: dict[str, Any], model: dict[str, Any]
+                     ) -> tuple[TextTokenizer, RecordBundle, RecordBundle, dict[str, Any]]:
+    """:func:`tokenize_and_split` of the prompts alone: (tokenizer, prompts_train, prompts_val, metrics)."""
+    splits, metrics = _tokenize(raw, tokenizer, dubious, params, model)
+    return tokenizer, splits["prompts"]["train"], splits["prompts"]["val"], metrics
+
+
+def _tokenize(raw: dict[str, RawData], tokenizer: TextTokenizer, dubious: dict[str, int], params: dict[str, Any],
+              model: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Every kind of ``raw`` checked, tokenized and split -> ({kind: {"train", "val"}}, metrics)."""
     config = from_dict(DataPrepConfig, params, "data_prep")
     seq_length = from_dict(ModelConfig, model, "model").seq_length
     encoded = {kind: encode(data, tokenizer, seq_length, config) for kind, data in raw.items()}  # all checks first
@@ -88,16 +121,7 @@ def tokenize_and_split(
         metrics[f"{kind}_source_sha256"] = raw[kind].sha256
         for split, bundle in parts.items():
             metrics[f"{kind}_{split}_samples"] = bundle.meta["num_samples"]
-    return (
-        tokenizer,
-        splits["sft"]["train"],
-        splits["sft"]["val"],
-        splits["preference"]["train"],
-        splits["preference"]["val"],
-        splits["prompts"]["train"],
-        splits["prompts"]["val"],
-        metrics,
-    )
+    return splits, metrics
 
 
 def _warn_overlong(raw: RawData, counts: dict[str, int], config: DataPrepConfig, seq_length: int) -> None:

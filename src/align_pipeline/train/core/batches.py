@@ -227,6 +227,7 @@ class PromptStream:
             raise ValueError(f"prompts_per_iteration {per_iteration} must split over DP={dist.dp_size} ranks")
         self.records = records
         self.per_iteration = per_iteration
+        self.seed, self.dp_rank, self.dp_size = seed, dist.dp_rank, dist.dp_size
         self._batches = ArrayBatches({"index": np.arange(len(records))}, per_iteration, per_iteration // dist.dp_size,
                                      dist, seed=seed, shuffle=True)
 
@@ -238,6 +239,16 @@ class PromptStream:
     def consumed(self, iteration: int) -> int:
         """Prompts drawn before ``iteration`` (the cursor)."""
         return iteration * self.per_iteration
+
+    def extra(self, iteration: int, round_: int) -> list[dict]:
+        """This DP rank's prompt records of round ``round_`` >= 1 of ``iteration`` (dynamic sampling: as many as
+        :meth:`local`, drawn without replacement from all the prompts by a seeded draw of (seed, iteration, round),
+        outside the epoch order: the cursor does not move)."""
+        local = self.per_iteration // self.dp_size
+        order = np.random.default_rng([self.seed, iteration, round_, 1]).permutation(len(self.records))
+        if len(order) < self.per_iteration:  # fewer prompts than one iteration takes: some come twice
+            order = np.resize(order, self.per_iteration)
+        return [self.records[i] for i in order[self.dp_rank * local : (self.dp_rank + 1) * local].tolist()]
 
 
 def to_rows(prompt_ids: list[list[int]], responses: list[list[int]], seq_length: int, pad_id: int,

@@ -91,8 +91,8 @@ class DPStats:
 
 
 class Timings(dict):
-    """``with timings("timing/generate_s"): ...`` records the block's wall time, with a device synchronisation on
-    both sides so GPU work is counted where it happens."""
+    """``with timings("timing/generate_s"): ...`` records the block's wall time (added up over the blocks of one
+    key), with a device synchronisation on both sides so GPU work is counted where it happens."""
 
     @contextlib.contextmanager
     def __call__(self, key: str):
@@ -102,7 +102,7 @@ class Timings(dict):
         yield
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self[key] = time.perf_counter() - t0
+        self[key] = self.get(key, 0.0) + time.perf_counter() - t0
 
 
 def mean_metrics(steps: list[dict[str, float]], prefix: str) -> dict[str, float]:

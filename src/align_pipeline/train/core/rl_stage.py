@@ -27,6 +27,7 @@ from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.sequences import rewards_forward
 from align_pipeline.rewards.base import RewardFunctions
 from align_pipeline.rewards.check import check_records
+from align_pipeline.rl.advantages import groups_without_signal
 from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core import rollout
 from align_pipeline.train.core.batches import PromptStream
@@ -54,6 +55,7 @@ class RLStage:
         log(dist, f"[{name}] {dist.describe()} policy={self.paths.policy} reward_model={self.paths.reward_model}")
         self.vocab, self.seq_length = self.source.vocab_size, self.source.model.seq_length
         self.setup: dict[str, float] = {}
+        self.sampling: dict[str, float] = {}  # dynamic sampling's counts of the last rollout
 
     def load_scoring(self) -> None:
         """The reward functions, the frozen judges and the prompts (after the trained models: their random draws
@@ -94,16 +96,11 @@ class RLStage:
         ``old_forward=False`` (one optimizer step per rollout: the "old" policy is the one being trained, whose
         log-probs the training step's own forward computes) skips the training forward over the rollout: old_logp
         is then the engine's own log-probs (``rows["rollout_logp"]``), for the metrics that need one."""
-        dist, gen, vocab, mbs = self.dist, self.gen, self.vocab, self.mbs
+        dist, vocab, mbs = self.dist, self.vocab, self.mbs
         offload.optimizers_to("cpu")
-        with timings("timing/generate_s"):
-            r = rollout.generate_rollout(actor.model, self.prompts.local(iteration), gen, self.tok, vocab, dist,
-                                         self.seq_length, rollout.iteration_seed(gen.seed, iteration, dist.dp_rank),
-                                         pool=self.reward_pool)
+        r, scores = self.sample(actor, iteration, timings, offload)
         with timings("timing/score_s"):
             offload.frozen_to(dist.device)
-            scores = rollout.score(r, self.cfg.reward, self.reward_fns, self.rm, self.rm_forward, mbs, dist,
-                                   max_tokens=gen.max_new_tokens, pool=self.reward_pool)
             old_logp = (rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist) if old_forward  # [n, s]
                         else r.rows["rollout_logp"])
             ref_logp = rollout.reference_logprobs(self.reference, actor.model, r.rows, vocab, mbs, dist)  # [n, s]
@@ -111,6 +108,50 @@ class RLStage:
             offload.frozen_to("cpu")
         offload.optimizers_to(dist.device)
         return r, scores, old_logp, ref_logp, extra
+
+    def sample(self, actor: Trainable, iteration: int, timings: Timings, offload: Offload
+               ) -> tuple[rollout.Rollout, rollout.Scores]:
+        """The rollout of ``iteration`` on this DP rank and its scores (``timing/generate_s``, ``timing/score_s``).
+
+        With ``dynamic_sampling.enabled`` (REINFORCE: DAPO's dynamic sampling), the groups whose scores are all
+        equal are dropped and further rounds of as many prompts (:meth:`PromptStream.extra`, their own seeds) are
+        generated and scored until this rank has its ``prompts_per_iteration / DP`` groups with signal or
+        ``max_rounds`` rounds ran; then dropped groups fill what is missing. The groups keep their order of
+        sampling, so the kept groups of the first round are the rollout the stage would have without it. Counts in
+        :attr:`sampling` (``rollout/dynamic_sampling/*``)."""
+        dist, gen = self.dist, self.gen
+        dynamic = getattr(self.cfg, "dynamic_sampling", None)
+        rounds = dynamic.max_rounds if dynamic is not None and dynamic.enabled else 1
+        want = len(self.prompts.local(iteration))
+        kept: list[tuple[int, int]] = []  # (round, group) with signal
+        dropped: list[tuple[int, int]] = []
+        parts: list[tuple[rollout.Rollout, rollout.Scores]] = []
+        for round_ in range(rounds):
+            records = self.prompts.local(iteration) if round_ == 0 else self.prompts.extra(iteration, round_)
+            offload.frozen_to("cpu")  # (a no-op before the first round)
+            with timings("timing/generate_s"):
+                r = rollout.generate_rollout(actor.model, records, gen, self.tok, self.vocab, dist, self.seq_length,
+                                             rollout.iteration_seed(gen.seed, iteration, dist.dp_rank, round_),
+                                             pool=self.reward_pool)
+            with timings("timing/score_s"):
+                offload.frozen_to(dist.device)
+                scores = rollout.score(r, self.cfg.reward, self.reward_fns, self.rm, self.rm_forward, self.mbs, dist,
+                                       max_tokens=gen.max_new_tokens, pool=self.reward_pool)
+            if rounds == 1:
+                return r, scores
+            parts.append((r, scores))
+            flat = groups_without_signal(scores.total.view(-1, gen.samples_per_prompt)).tolist()  # [P]
+            kept += [(round_, g) for g, none in enumerate(flat) if not none]
+            dropped += [(round_, g) for g, none in enumerate(flat) if none]
+            if len(kept) >= want:
+                break
+        chosen = sorted(kept[:want] + dropped[: max(0, want - len(kept))])  # sampling order
+        n = gen.samples_per_prompt
+        picked = [(parts[k][0].take(idx), parts[k][1].take(idx)) for k in range(len(parts))
+                  if (idx := [g * n + j for rk, g in chosen if rk == k for j in range(n)])]
+        self.sampling = {"rounds": float(len(parts)), "dropped_groups": float(len(dropped)),
+                         "padded_groups": float(max(0, want - len(kept)))}
+        return rollout.Rollout.join([p[0] for p in picked]), rollout.Scores.join([p[1] for p in picked])
 
     def train_state(self, iteration: int, **extra: Any) -> dict[str, Any]:
         """What a checkpoint resumes from: the iteration, the prompt cursor, and the stage's own state."""

@@ -48,6 +48,22 @@ class Rollout:
     def n(self) -> int:
         return len(self.tokens)
 
+    def take(self, idx: list[int]) -> Rollout:
+        """The rows ``idx``, in that order."""
+        rows_idx = torch.tensor(idx, dtype=torch.long, device=next(iter(self.rows.values())).device)
+        return Rollout([self.records[i] for i in idx], [self.tokens[i] for i in idx],
+                       [self.ended_with_eos[i] for i in idx], {k: v[rows_idx] for k, v in self.rows.items()},
+                       [self.texts[i] for i in idx], self.slots, self.refills)
+
+    @staticmethod
+    def join(parts: list[Rollout]) -> Rollout:
+        """The rows of ``parts`` one after the other (several generate calls: the widest ``slots``, all refills)."""
+        return Rollout([x for p in parts for x in p.records], [x for p in parts for x in p.tokens],
+                       [x for p in parts for x in p.ended_with_eos],
+                       {k: torch.cat([p.rows[k] for p in parts]) for k in parts[0].rows},
+                       [x for p in parts for x in p.texts], max(p.slots for p in parts),
+                       sum(p.refills for p in parts))
+
 
 def generate_rollout(policy, records: list[dict], gen: GenerationConfig, tok, vocab_size: int, dist: Dist,
                      seq_length: int, seed: int, greedy: bool = False, pool=None) -> Rollout:
@@ -95,9 +111,10 @@ def prepare_rollouts(policy, prompts: PromptStream, iteration: int, gen: Generat
     return {"timing/decode_capture_s": t["capture_s"], "timing/decode_setup_s": t["setup_s"]}
 
 
-def iteration_seed(base: int, iteration: int, dp_rank: int) -> int:
-    """Sampling seed of one iteration on one DP rank (distinct streams, reproducible on resume)."""
-    return (base * 1_000_003 + iteration * 7919 + dp_rank * 104_729) % 2**62
+def iteration_seed(base: int, iteration: int, dp_rank: int, round_: int = 0) -> int:
+    """Sampling seed of one iteration on one DP rank (distinct streams, reproducible on resume); ``round_`` > 0: the
+    extra generation rounds of dynamic sampling."""
+    return (base * 1_000_003 + iteration * 7919 + dp_rank * 104_729 + round_ * 15_485_863) % 2**62
 
 
 @dataclasses.dataclass
@@ -114,6 +131,20 @@ class Scores:
     """[n] DAPO's overlong punishment R_length in [-1, 0], before its scale (None when off)."""
     timeouts: int = 0
     """Responses whose reward functions ran over ``reward.timeout_s`` (scored 0)."""
+
+    def take(self, idx: list[int]) -> Scores:
+        """The scores of rows ``idx``, in that order."""
+        t = torch.tensor(idx, dtype=torch.long, device=self.total.device)
+        pick = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "timeouts"}
+        return Scores(**{k: v[t] if v is not None else None for k, v in pick.items()}, timeouts=self.timeouts)
+
+    @staticmethod
+    def join(parts: list[Scores]) -> Scores:
+        """The scores of ``parts`` one after the other (timeouts summed)."""
+        names = [f.name for f in dataclasses.fields(Scores) if f.name != "timeouts"]
+        fields = {k: torch.cat([getattr(p, k) for p in parts]) if getattr(parts[0], k) is not None else None
+                  for k in names}
+        return Scores(**fields, timeouts=sum(p.timeouts for p in parts))
 
 
 def score(rollout: Rollout, cfg: RewardConfig, rewards: RewardFunctions, rm, rm_forward, micro_batch_size: int,
