@@ -21,12 +21,9 @@ TRL's truncated IS exists only with vLLM generation and is not compared here
 from __future__ import annotations
 
 import pytest
+import torch
 
-pytest.importorskip("trl")
-
-import torch  # noqa: E402
-
-from align_pipeline.losses.reinforce import reinforce_loss  # noqa: E402
+from align_pipeline.losses.reinforce import reinforce_loss
 
 B, P, T, VOCAB = 4, 3, 6, 64
 LENGTHS = [6, 4, 5, 2]  # completion tokens per row (the rest is padding)

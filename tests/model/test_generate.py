@@ -108,6 +108,14 @@ def _cases(tok, batch: list[int]) -> tuple[list[dict], list[dict]]:
          "record_finished": True},
         {"name": "rows_of_3_chunks", "kwargs": sample, "rows": batch, "eos_from": ["sample", [0, 3], 2],
          "chunks": 3},
+        # Past 256 columns a step attends over a wider span of the cache (256, then 512): the same tokens as the
+        # reference path, also with rows refilled at column 0 while others are past 256.
+        {"name": "long", "kwargs": {**greedy, "max_new_tokens": 300}, "rows": batch[:4]},
+        {"name": "long_refill", "kwargs": {**sample, "max_new_tokens": 300}, "rows": batch[:5], "kv_rows": 2},
+        {"name": "long_nocache", "kwargs": {**greedy, "max_new_tokens": 300, "use_cache": False},
+         "rows": batch[:4]},
+        {"name": "long_refill_nocache", "kwargs": {**sample, "max_new_tokens": 300, "use_cache": False},
+         "rows": batch[:5]},
     ]
     return common, tp1
 
@@ -275,6 +283,18 @@ def test_max_rows_gives_the_samples_of_static_batches_of_that_size(tp1):
     assert one_call["tokens"] == chunks["tokens"] and one_call["ended_with_eos"] == chunks["ended_with_eos"]
     _close(one_call["logprobs"], chunks["logprobs"], 1e-5)
     assert one_call["slots"] == 3 and one_call["tokens"] != tp1["refill_static"]["tokens"]
+
+
+def test_steps_past_256_columns_attend_over_a_wider_span(tp1):
+    """300 new tokens: the decode steps attend over the first 256 cache columns, then 512 (DecodeEngine.spans); the
+    tokens are those of the full-recompute reference, also when a KV budget of 2 rows refills a row at its first
+    columns while the other is past column 256."""
+    for name in ("long", "long_refill"):
+        ours, ref = tp1[name], tp1[name + "_nocache"]
+        assert [len(t) for t in ours["tokens"]] == [300] * len(ours["tokens"]), name
+        assert ours["tokens"] == ref["tokens"], name
+        _close(ours["logprobs"], ref["logprobs"], 1e-4)
+    assert tp1["long_refill"]["slots"] == 2 and tp1["long_refill"]["admissions"] >= 2
 
 
 def test_the_kept_cache_sees_weights_changed_in_place(tp1):

@@ -6,16 +6,18 @@ cheap:
 * **Static KV cache.** Per layer one key and one value buffer ``[B, groups, S, head_dim]`` (``B`` rows, ``S``
   columns), allocated once and kept on the model between calls (:func:`decode_engine`), so a PPO/REINFORCE job
   allocates it at its first rollout and never again. Each row has its own column (``column`` [B], on the device): a
-  decode step writes every row's key and value at that row's column (``scatter_``) and attends over all ``S`` columns
-  with a boolean key mask (``keep``); every shape of the step is fixed, so the step can be captured. Rows are
+  decode step writes every row's key and value at that row's column (``scatter_``) and attends over the first
+  ``span`` columns with a boolean key mask (``keep``), ``span`` the smallest bucket (powers of two from 256, and
+  ``S``) that holds every row's columns (the caller knows them: :meth:`DecodeEngine.span_for`); the step of each
+  (width, span) has fixed shapes, so it can be captured. Rows are
   independent, so a row whose response has ended can be given a new prompt while the others go on
   (:meth:`DecodeEngine.prefill` into chosen rows): continuous batching.
 * **The model's own modules.** The step calls the GPT's embedding, its decoder (every layer's norms, fused QKV,
   QK-norm, RoPE, projection, MLP, TP all-reduces) and its output layer; only each layer's *core* attention is swapped,
   for the duration of a call, for :class:`_CachedCoreAttention`, which reads and writes the cache. So the numbers are
   those of a training forward (same kernels, same TP reductions), with any layer spec (local, SDPA, TE).
-* **CUDA graphs.** On a GPU the step of a given width (rows computed) is captured once into a ``torch.cuda.CUDAGraph``
-  and replayed: one launch instead of ~40 kernels per layer. Widths are buckets (``B`` and the powers of two below
+* **CUDA graphs.** On a GPU the step of a given width (rows computed) and span is captured once into a
+  ``torch.cuda.CUDAGraph`` (all from one memory pool) and replayed: one launch instead of ~40 kernels per layer. Widths are buckets (``B`` and the powers of two below
   it), so finished rows can be dropped (:meth:`DecodeEngine.compact`) and the step run on a smaller graph. The graphs
   read the live parameter tensors: training updates them in place, so new weights need no refresh and no
   re-capture (a changed parameter *address*, e.g. a model moved between devices, drops the graphs and recaptures).
@@ -43,6 +45,10 @@ from align_pipeline.model.gpt import unwrap
 # With graphs, decode-step widths are the engine's batch and the powers of two below it down to _MIN_WIDTH (a step of
 # fewer rows costs about as much: not worth a capture of its own).
 _MIN_WIDTH = 8
+# A decode step attends over the first ``span`` cache columns: the smallest power of two from _MIN_SPAN up (or the
+# whole cache) that holds every row's columns, so a step early in a long generation does not read the keys and values
+# of columns nothing has written yet.
+_MIN_SPAN = 256
 
 
 class DecodeEngine:
@@ -90,7 +96,9 @@ class DecodeEngine:
         self.decoding = False
         self.prefill_rows: torch.Tensor | None = None  # [u] the rows a prefill writes (None: [0, u))
         self.kv_index: torch.Tensor | None = None  # [b, groups, 1, head_dim] each row's column, for scatter_
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.span = length  # columns the current decode step attends over (a value of spans())
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (width, span) ->
+        self.pool = None  # the graphs' shared memory pool (they are never replayed at once)
         self.captures = 0  # graphs captured so far (tests and benchmarks read it)
         self.prefill_shapes: set[tuple[int, int, bool]] = set()  # (rows, columns, masked) of every prefill: what
         # the attention kernels plan for (a shape not seen before costs a new plan on a GPU)
@@ -177,19 +185,34 @@ class DecodeEngine:
             return rows
         return min(self.batch, max(_MIN_WIDTH, 1 << (rows - 1).bit_length()))
 
-    def decode(self, gpt, width: int, graphs: bool) -> torch.Tensor:
+    def spans(self) -> list[int]:
+        """Every span a step can attend over: the powers of two from ``_MIN_SPAN`` below the cache's length, and
+        the length (ascending)."""
+        out, span = [], _MIN_SPAN
+        while span < self.length:
+            out.append(span)
+            span *= 2
+        return out + [self.length]
+
+    def span_for(self, columns: int) -> int:
+        """The smallest span that holds columns [0, ``columns``)."""
+        return next(s for s in self.spans() if s >= columns)
+
+    def decode(self, gpt, width: int, graphs: bool, span: int | None = None) -> torch.Tensor:
         """One step over rows [0, width): feeds ``ids`` at each row's column, then advances the columns -> logits
-        [width, V_padded] (with ``graphs``, a captured graph's output buffer: read it before the next step). A row
-        whose response has ended keeps stepping until it is replaced or compacted away: its column stops at the last
-        one (what it writes there is never read)."""
+        [width, V_padded] (with ``graphs``, a captured graph's output buffer: read it before the next step). The step
+        attends over the first ``span`` columns (a value of :meth:`spans`; default: all), which must hold every
+        column a row of [0, width) writes or reads. A row whose response has ended keeps stepping until it is
+        replaced or compacted away: its column stops at the last one (what it writes there is never read)."""
+        span = self.length if span is None else span
         if graphs:
-            graph = self.graphs.get(width)
+            graph = self.graphs.get((width, span))
             if graph is None:
-                graph = self.graphs[width] = self._capture(gpt, width)
+                graph = self.graphs[width, span] = self._capture(gpt, width, span)
             graph[0].replay()
             logits = graph[1]
         else:
-            logits = self._step(gpt, width)
+            logits = self._step(gpt, width, span)
         self.column.add_(1).clamp_(max=self.length - 1)
         self.positions += 1
         return logits
@@ -204,14 +227,15 @@ class DecodeEngine:
         return out
 
     def capture_all(self, gpt) -> None:
-        """Capture the step of every width not captured yet (inside :meth:`attached`, in inference mode), so that no
-        capture happens in the middle of a timed generation. Every TP rank captures the same widths in one order."""
+        """Capture the step of every width and span not captured yet (inside :meth:`attached`, in inference mode),
+        so that no capture happens in the middle of a timed generation. Every TP rank captures them in one order."""
         for width in self.widths():
-            if width not in self.graphs:
-                self.graphs[width] = self._capture(gpt, width)
+            for span in self.spans():
+                if (width, span) not in self.graphs:
+                    self.graphs[width, span] = self._capture(gpt, width, span)
 
-    def _step(self, gpt, width: int) -> torch.Tensor:
-        self.decoding = True
+    def _step(self, gpt, width: int, span: int) -> torch.Tensor:
+        self.decoding, self.span = True, span
         column = self.column[:width]  # [w]
         self.keep[:width].scatter_(1, column[:, None], True)  # the column each row writes this step
         k = self.keys[0]
@@ -241,9 +265,10 @@ class DecodeEngine:
             t = torch.cat((t, t_pass), dim=-1)
         return t[:, :, :heads], t[:, :, heads:]
 
-    def _capture(self, gpt, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Capture the step of ``width`` rows. The warm-up runs write the current column, which the replay that
-        follows rewrites, so capturing leaves no trace in the results."""
+    def _capture(self, gpt, width: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the step of ``width`` rows over ``span`` columns. The warm-up runs write the current column,
+        which the replay that follows rewrites, so capturing leaves no trace in the results. Every graph allocates
+        from one pool: they run one at a time, and each output is read before the next replay."""
         import time
 
         t0 = time.perf_counter()
@@ -251,11 +276,13 @@ class DecodeEngine:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # kernel selection, cuBLAS workspaces, NCCL set-up: before capture
-                self._step(gpt, width)
+                self._step(gpt, width, span)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self._step(gpt, width)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._step(gpt, width, span)
         torch.cuda.synchronize(self.device)
         self.captures += 1
         self.capture_seconds += time.perf_counter() - t0
@@ -286,9 +313,10 @@ class _CachedCoreAttention(torch.nn.Module):
             k_cache, v_cache = e.keys[self.index][:b], e.values[self.index][:b]  # [b, ng, S, hn]
             k_cache.scatter_(2, e.kv_index, k)  # each row at its own column
             v_cache.scatter_(2, e.kv_index, v)
-            mask = e.keep[:b, None, None, :]  # [b, 1, 1, S]
-            context = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=e.scale,
-                                                     enable_gqa=gqa)
+            span = e.span  # the columns any row of the step has: [0, span)
+            mask = e.keep[:b, None, None, :span]  # [b, 1, 1, span]
+            context = F.scaled_dot_product_attention(q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=mask,
+                                                     scale=e.scale, enable_gqa=gqa)
         else:
             e.keys[self.index][e.prefill_rows, :, :sq] = k
             e.values[self.index][e.prefill_rows, :, :sq] = v

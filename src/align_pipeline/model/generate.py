@@ -373,6 +373,7 @@ def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_toke
     refill_at = max(1, slots // 16)
     held: list[int | None] = [None] * slots  # the sample in each slot (host copy)
     made = [0] * slots  # tokens the slot's sample has (host count; a stop id may end it sooner)
+    column = [0] * slots  # the cache column each slot's next step writes (host copy of engine.column; idle: 0)
     slot_sample = torch.full((slots,), n, dtype=torch.long, device=device)  # [slots] n = idle
     pending, rows, admissions = 0, 0, -1  # next sample to enter; slots [0, rows) are stepped
 
@@ -399,7 +400,7 @@ def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_toke
         slot_sample[slot_of] = sample_of
         engine.ids[slot_of] = out.record(logits, sample_of)
         for slot, i in zip(chosen, samples):
-            held[slot], made[slot] = i, 1
+            held[slot], made[slot], column[slot] = i, 1, ids.shape[1]
         rows = max(rows, max(chosen) + 1)
         admissions += 1
 
@@ -413,8 +414,9 @@ def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_toke
                     if on_finished is not None:
                         tokens, _, eos = out.response(held[slot])
                         on_finished(held[slot], tokens, eos)
-                    held[slot] = None
+                    held[slot], column[slot] = None, 0
                 slot_sample[torch.tensor(finished, device=device)] = n
+                engine.column[torch.tensor(finished, device=device)] = 0  # idle: no column keeps the span wide
             free = [slot for slot in range(slots) if held[slot] is None]
             if pending < n and free and (len(free) >= refill_at or len(free) == slots):
                 admit(free)
@@ -428,13 +430,18 @@ def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_toke
                 slot_sample[len(running) :] = n
                 held[:] = [held[s] for s in running] + [None] * (slots - len(running))
                 made[:] = [made[s] for s in running] + [0] * (slots - len(running))
+                column[:] = [column[s] for s in running] + [0] * (slots - len(running))
                 rows = len(running)
             steps = min(check_every, max(max_new_tokens - made[slot] for slot in range(rows)
                                          if held[slot] is not None))
+            # every column these steps write or read (a row past its budget stops at the last column)
+            span = engine.span_for(min(max(column[:rows]) + steps, engine.length))
             for _ in range(steps):
-                logits = engine.decode(gpt, engine.width(rows), graphs)[:rows]
+                logits = engine.decode(gpt, engine.width(rows), graphs, span)[:rows]
                 engine.ids[:rows] = out.record(logits, slot_sample[:rows])
             made[:] = [m + steps for m in made]
+            column[:rows] = [min(c + steps, engine.length - 1) if held[s] is not None else 0
+                             for s, c in enumerate(column[:rows])]
     return slots, admissions
 
 
