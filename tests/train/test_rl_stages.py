@@ -312,3 +312,34 @@ def test_dynamic_sampling_drops_groups_without_signal_and_refills(models, tmp_pa
     (none,) = run("reinforce", job("none", "no_signal", iterations=1), env=env)["history"]
     assert none["rollout/dynamic_sampling/rounds"] == 6 and none["rollout/dynamic_sampling/padded_groups"] == 8
     assert none["rollout/dynamic_sampling/dropped_groups"] == 6 * 8 and none["rollout/advantages_mean"] == 0
+
+
+def test_micro_batches_cut_to_their_rows_train_as_rows_without_the_padding(models, tmp_path):
+    """A policy (a tiny random HF Llama) run at seq_length 300 gets rollout rows of 300 columns, most of them right
+    padding: every micro-batch is cut to 128 columns (its rows' length rounded up) for the reference forward and the
+    training step. The run equals one at seq_length 128, whose rows have no padding past that: same rollouts, same
+    losses and updates."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from align_pipeline.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(models["tokenizer"])
+    torch.manual_seed(0)
+    hf = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                 tie_word_embeddings=True)).save_pretrained(str(hf))
+    runs = {}
+    for seq in (128, 300):
+        job = reinforce_job(models, tmp_path / f"s{seq}", iterations=2)
+        job = dataclasses.replace(job, model=dataclasses.replace(job.model, seq_length=seq),
+                                  paths=dataclasses.replace(job.paths, policy=str(hf)))
+        result = run("reinforce", job)
+        meta = json.loads((Path(result["actor_dir"]) / "meta.json").read_text())
+        assert meta["model"]["seq_length"] == seq
+        runs[seq] = _deterministic(result["history"])
+    for a, b in zip(runs[128], runs[300]):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), (k, a[k], b[k])

@@ -279,8 +279,28 @@ def to_rows(prompt_ids: list[list[int]], responses: list[list[int]], seq_length:
     return rows
 
 
+TRIM_MULTIPLE = 128
+"""A micro-batch of rollout rows is cut to the columns its rows use, rounded up to a multiple of this (few distinct
+shapes for the attention and GEMM kernels)."""
+
+
 def split_rows(rows: dict[str, torch.Tensor], micro_batch_size: int, order: torch.Tensor | None = None) -> list[dict]:
-    """Row dict [n, ...] -> micro-batches of ``micro_batch_size`` rows (optionally in ``order``)."""
-    first = next(iter(rows.values()))
-    idx = order if order is not None else torch.arange(len(first), device=first.device)
-    return [{k: v[idx[i : i + micro_batch_size]] for k, v in rows.items()} for i in range(0, len(idx), micro_batch_size)]
+    """Rollout row dict [n, ...] -> micro-batches of ``micro_batch_size`` rows (optionally in ``order``), each cut
+    to the columns its rows use: right padding past its longest row (``loss_mask``: the last response token),
+    rounded up to a multiple of :data:`TRIM_MULTIPLE`, is dropped from every per-token tensor ([n, S]). Causal
+    attention makes the kept columns' outputs those of the full row; long rollouts of varied lengths no longer pay
+    the forward and backward of every row's padding up to ``seq_length``."""
+    first = rows["input_ids"]
+    n, width = first.shape
+    idx = order if order is not None else torch.arange(n, device=first.device)
+    mask = rows["loss_mask"] != 0  # [n, S]
+    columns = torch.arange(width, device=first.device)
+    ends = torch.where(mask.any(-1), (columns * mask).amax(-1) + 2, width).clamp(max=width)  # [n] columns used
+    ends_host, idx_host = ends.tolist(), idx.tolist()  # (one wait for the device)
+    out = []
+    for i in range(0, len(idx), micro_batch_size):
+        part = idx[i : i + micro_batch_size]
+        used = max(ends_host[j] for j in idx_host[i : i + micro_batch_size])
+        keep = min(width, -(-used // TRIM_MULTIPLE) * TRIM_MULTIPLE)
+        out.append({k: (v[part, :keep] if v.dim() >= 2 and v.shape[1] == width else v[part]) for k, v in rows.items()})
+    return out

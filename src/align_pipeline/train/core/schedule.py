@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.distributed as tdist
+import torch.nn.functional as F
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from align_pipeline.losses.base import LossOutput
@@ -84,12 +85,14 @@ def model_input_shape(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
     return s, b
 
 
-def collect_per_sample(model, microbatches: list[dict[str, torch.Tensor]], forward, dist: Dist) -> torch.Tensor | None:
+def collect_per_sample(model, microbatches: list[dict[str, torch.Tensor]], forward, dist: Dist,
+                       width: int | None = None) -> torch.Tensor | None:
     """Forward-only pass returning per-sample values.
 
     ``forward(module, batch)`` returns ``(output, per_sample_fn)`` where ``per_sample_fn(output)`` gives [b, k] on the
     last pipeline stage. Returns the rows of all micro-batches concatenated ([sum b, k]) on the last stage, else None.
-    """
+    ``width``: per-token values of micro-batches cut to fewer columns (:func:`split_rows`) are padded with zeros
+    back to ``width`` columns where ``k`` is the micro-batch's column count."""
 
     def forward_step(data_iterator, module):
         batch = next(data_iterator)
@@ -108,7 +111,12 @@ def collect_per_sample(model, microbatches: list[dict[str, torch.Tensor]], forwa
     )
     if not dist.is_last_stage:
         return None
-    return torch.cat([r["v"] for r in store])
+    values = [r["v"] for r in store]
+    if width is not None:
+        columns = [model_input_shape(mb)[0] for mb in microbatches]
+        values = [F.pad(v, (0, width - c)) if v.dim() == 2 and v.shape[1] == c < width else v
+                  for v, c in zip(values, columns)]
+    return torch.cat(values)
 
 
 def gather_by_index(values: torch.Tensor | None, microbatches: list[dict[str, torch.Tensor]], n: int,
@@ -140,7 +148,8 @@ def forward_rows(model, rows: dict[str, torch.Tensor], forward, micro_batch_size
     """Forward-only over this rank's ``rows`` (no pipeline parallelism): ``forward`` from
     :mod:`align_pipeline.model.sequences`; returns the per-row values [n, ...] in row order."""
     with torch.no_grad():
-        out = collect_per_sample(model, split_rows(rows, micro_batch_size), forward, dist)
+        out = collect_per_sample(model, split_rows(rows, micro_batch_size), forward, dist,
+                                 width=rows["input_ids"].shape[1])
     if out is None:
         raise RuntimeError("forward_rows needs pipeline_model_parallel_size 1")
     return out
