@@ -60,7 +60,8 @@ def test_reasoning_env_trains_an_hf_model_with_dapo_settings(tmp_path, monkeypat
     (version,) = (data / "06_models" / "reinforce_policy").iterdir()
     policy = version / "reinforce_policy"
     meta = json.loads((policy / "meta.json").read_text())
-    assert meta["lineage"]["parent_checkpoint"] == str(hf) == meta["lineage"]["reference"]  # RL from the model
+    assert meta["lineage"]["parent_checkpoint"] == str(hf)  # RL from the model
+    assert meta["lineage"]["reference"] is None and "train/kl" not in meta["metrics"]  # kl.beta 0: no reference
     m = meta["metrics"]
     assert m["rollout/dynamic_sampling/rounds"] >= 1 and m["rollout/reward_timeouts"] == 0
     # dropped groups fill the batch only when the rounds ran out: then they are the groups without signal

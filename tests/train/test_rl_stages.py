@@ -223,6 +223,10 @@ def test_reinforce_rloo_single_step_and_data_parallel(models, tmp_path):
     result = run("reinforce", job, nproc=2)
     first = result["history"][0]
     assert "train/clip_fraction" not in first and "train/pg_loss" in first
+    # kl.beta 0: no reference model and no reference forward, so no KL metrics and no reference in the lineage
+    assert "no KL reference" in (tmp_path / "rloo" / "logs" / "rank0.log").read_text()
+    assert "train/kl" not in first and "rollout/init_policy_kl" not in first
+    assert json.loads((Path(result["actor_dir"]) / "meta.json").read_text())["lineage"]["reference"] is None
     # on-policy: no forward over the rollout besides the training step's own, which measures the engine's mismatch
     assert "rollout/logprob_diff/mean" not in first and 0 <= first["train/logprob_diff"] < 1e-3, first
     assert first["train/is_weight"] == pytest.approx(1.0) and first["train/is_dropped"] == 0  # correction: none

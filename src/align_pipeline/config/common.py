@@ -478,7 +478,8 @@ class KLConfig:
     default) but is refused as a loss term (REINFORCE with ``beta`` > 0): its gradient is zero in expectation there.
     k2 (1/2 (log ratio)^2) is a biased, low-variance alternative."""
     beta: float = 0.05
-    """The coefficient: constant, or the initial value of the adaptive controller (0 = off; KL is reported anyway)."""
+    """The coefficient: constant, or the initial value of the adaptive controller. 0 = off: PPO still reports the
+    KL; REINFORCE builds no reference model and runs no reference forward (no KL metrics), as TRL and veRL do."""
     adaptive: bool = False
     """Adaptive controller (Ziegler et al. 2019) driving the per-sequence KL towards ``target`` (PPO only)."""
     target: float = 6.0

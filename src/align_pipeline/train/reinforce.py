@@ -8,7 +8,8 @@ give every sample one advantage, either leave-one-out (RLOO, Ahmadian et al. 202
 shared by all its tokens. The policy then takes ``epochs x minibatches`` optimizer steps on
 :func:`~align_pipeline.losses.reinforce.reinforce_loss`: plain ``-A log pi`` when the rollout is used for a single
 step, PPO's clipped ratio against the rollout policy otherwise, plus ``kl.beta`` x KL to the frozen reference
-(reported either way). The n samples of a prompt always sit on one DP rank, so the group baselines need no
+(reported when beta > 0; with beta 0 no reference model is built and no reference forward runs). The n samples
+of a prompt always sit on one DP rank, so the group baselines need no
 communication. Output: ``run_dir/actor/model``.
 """
 
@@ -51,7 +52,7 @@ def policy_loss(cfg: ReinforceConfig, vocab_size: int, tp_rank: int, clipped: bo
 
         def loss_fn(logits):
             logp = -token_nll(logits, batch["labels"], vocab_size, tp_rank)  # [b, s]
-            return reinforce_loss(logp, batch["advantages"], batch["loss_mask"], ref_logp=batch["ref_logp"],
+            return reinforce_loss(logp, batch["advantages"], batch["loss_mask"], ref_logp=batch.get("ref_logp"),
                                   beta=cfg.kl.beta, estimator=cfg.kl.estimator,
                                   old_logp=batch["old_logp"] if clipped else None, clip_eps=cfg.loss.clip_eps,
                                   clip_eps_high=cfg.loss.clip_eps_high, objective=cfg.loss.objective,
@@ -73,10 +74,10 @@ def main(job: ReinforceJob) -> dict:
     rl, gen, mbs, dist = stage.rl, stage.gen, stage.mbs, stage.dist
     actor = build_trainable(stage.source, job.parallel, cfg.optimizer, rl.iterations * rl.steps_per_iteration, dist,
                             lora=cfg.lora)
-    stage.load_scoring()
+    stage.load_scoring(kl_reference=cfg.kl.beta > 0)  # beta 0: no reference model, no KL (as TRL, veRL)
     clipped = rl.steps_per_iteration > 1  # the rollout policy differs from the policy after the first step
-    metric_names = ["pg_loss", "kl", "logprob_diff", "is_weight", "is_dropped"] + (
-        ["clip_fraction", "ratio"] if clipped else [])
+    metric_names = ["pg_loss"] + (["kl"] if stage.kl_reference else []) + [
+        "logprob_diff", "is_weight", "is_dropped"] + (["clip_fraction", "ratio"] if clipped else [])
     offload = stage.offload([actor.optimizer])
     loss = policy_loss(cfg, stage.vocab, dist.tp_rank, clipped)
     ckpts = Checkpoints.for_rl({"actor": (actor, stage.run_dir / "actor")}, rl, job, "reinforce", dist)
@@ -95,7 +96,8 @@ def main(job: ReinforceJob) -> dict:
         advantages = group_advantages(cfg, scores.total)  # [n]
         groups = scores.total.view(-1, gen.samples_per_prompt)  # [P, n]
         stats = rollout.rollout_stats(r, scores, stage.reward_fns, dist)
-        stats.add("rollout/init_policy_kl", (kl_penalty(old_logp, ref_logp, "k1") * mask).sum(-1), std=False)
+        if ref_logp is not None:
+            stats.add("rollout/init_policy_kl", (kl_penalty(old_logp, ref_logp, "k1") * mask).sum(-1), std=False)
         stats.add("rollout/advantages", advantages)
         stats.add("rollout/fraction_of_groups_without_signal", groups_without_signal(groups).double(), std=False)
         for key, value in stage.sampling.items():  # dynamic sampling: rounds (mean over DP), groups (total)
@@ -105,7 +107,8 @@ def main(job: ReinforceJob) -> dict:
             rollout.mismatch_stats(stats, r.rows, old_logp)
         m = stats.reduce()
         # 4. epochs x minibatches of policy steps over a seeded order
-        rows = {**r.rows, "advantages": advantages, "ref_logp": ref_logp, "old_logp": old_logp}
+        rows = {**r.rows, "advantages": advantages, "old_logp": old_logp,
+                **({"ref_logp": ref_logp} if ref_logp is not None else {})}
         steps = []
         with timings("timing/train_s"):
             for epoch in range(rl.epochs):

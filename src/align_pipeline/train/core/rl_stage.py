@@ -57,9 +57,11 @@ class RLStage:
         self.setup: dict[str, float] = {}
         self.sampling: dict[str, float] = {}  # dynamic sampling's counts of the last rollout
 
-    def load_scoring(self) -> None:
+    def load_scoring(self, kl_reference: bool = True) -> None:
         """The reward functions, the frozen judges and the prompts (after the trained models: their random draws
-        do not depend on whether a reference is built)."""
+        do not depend on whether a reference is built). ``kl_reference=False`` (REINFORCE with ``kl.beta`` 0): no
+        KL reference at all - no model built, no reference forward, no KL metrics."""
+        self.kl_reference = kl_reference
         where = f"{self.name}.reward"
         self.reward_fns = RewardFunctions.load(self.cfg.reward, where)
         reward, self.reward_pool = self.cfg.reward, None
@@ -69,7 +71,7 @@ class RLStage:
             self.reward_pool = RewardPool([t.spec for t in self.reward_fns.terms], reward.workers, reward.timeout_s)
         self.reference, self.rm, self.rm_forward = load_judges(
             self.paths, self.cfg.reward, self.job.model.attention_backend, self.job.parallel, self.dist, where,
-            lora_policy=bool(self.cfg.lora.rank))
+            lora_policy=bool(self.cfg.lora.rank), kl_reference=kl_reference)
         self.prompts, self.val_records = load_prompts(self.paths, self.rl, self.dist, self.reward_fns)
 
     def offload(self, optimizers: list) -> Offload:
@@ -91,7 +93,8 @@ class RLStage:
                           also: Callable[[dict], Any] | None = None, old_forward: bool = True):
         """Steps 1-2: this DP rank's rollout (optimizer states offloaded while generating), then its scores and the
         per-token log-probs of the rollout policy and the KL reference [n, s] (+ ``also(rows)``, e.g. the critic's
-        values), the frozen models on the device only meanwhile -> (rollout, scores, old_logp, ref_logp, also).
+        values), the frozen models on the device only meanwhile -> (rollout, scores, old_logp, ref_logp, also);
+        ref_logp is None without a KL reference (:meth:`load_scoring`).
 
         ``old_forward=False`` (one optimizer step per rollout: the "old" policy is the one being trained, whose
         log-probs the training step's own forward computes) skips the training forward over the rollout: old_logp
@@ -103,7 +106,8 @@ class RLStage:
             offload.frozen_to(dist.device)
             old_logp = (rollout.token_logprobs(actor.model, r.rows, vocab, mbs, dist) if old_forward  # [n, s]
                         else r.rows["rollout_logp"])
-            ref_logp = rollout.reference_logprobs(self.reference, actor.model, r.rows, vocab, mbs, dist)  # [n, s]
+            ref_logp = (rollout.reference_logprobs(self.reference, actor.model, r.rows, vocab, mbs, dist)  # [n, s]
+                        if self.kl_reference else None)
             extra = also(r.rows) if also is not None else None
             offload.frozen_to("cpu")
         offload.optimizers_to(dist.device)
@@ -185,22 +189,25 @@ class RLStage:
             self.reward_pool.close()
         log(self.dist, f"[{self.name}] done: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
         self.ckpts.save(iteration, train_state)
-        dirs = self.ckpts.export(iteration, export_meta(self.name, self.job, self.tok, final, m), per_model=per_model)
+        meta = export_meta(self.name, self.job, self.tok, final, m, kl_reference=self.kl_reference)
+        dirs = self.ckpts.export(iteration, meta, per_model=per_model)
         return self.runlog.finish(self.run_dir, {**dirs, "step": iteration, "iteration": iteration, **final,
                                                  "final": {**m, **final}, "history": self.runlog.history})
 
 
 def load_judges(paths, reward: RewardConfig, attention_backend: str, parallel, dist: Dist, where: str,
-                lora_policy: bool = False):
+                lora_policy: bool = False, kl_reference: bool = True):
     """The frozen models of an RL stage: the KL reference (``paths.reference`` or the policy's start) and, when the
     reward uses it, the reward model with its scoring forward (its pooling; a multi-attribute model's outputs
     combined by ``reward.reward_model_attribute_weights``, ``where`` naming that section); returns (reference,
     reward model | None, rewards forward | None). ``lora_policy`` (the policy trains adapters) with the reference
     being the policy's start: no reference model (None): the policy with its adapters off is the reference
-    (:func:`reference_logprobs`)."""
+    (:func:`reference_logprobs`). ``kl_reference=False``: no reference (None) either."""
     run_time = ModelConfig(attention_backend=attention_backend)
     reference = None
-    if lora_policy and paths.reference in (None, paths.policy):
+    if not kl_reference:
+        log(dist, "[rl] kl.beta is 0: no KL reference (no reference model, no reference forward, no KL metrics)")
+    elif lora_policy and paths.reference in (None, paths.policy):
         log(dist, "[rl] KL reference: the policy with its LoRA adapters off (no second copy of the weights)")
     else:
         reference = build_frozen(init.resolve(paths.reference or paths.policy, run_time, 0), parallel, dist)
@@ -236,12 +243,13 @@ def start(stage: str, job, ckpts, prompts: PromptStream, rl: RLLoopConfig, dist:
                                    metrics_interval=rl.metrics_interval)
 
 
-def export_meta(stage: str, job, tok, final: dict[str, float], last: dict[str, float]) -> dict:
+def export_meta(stage: str, job, tok, final: dict[str, float], last: dict[str, float],
+                kl_reference: bool = True) -> dict:
     """meta.json fields of an RL stage's exported models: tokenizer, layout, final metrics, lineage (the KL reference
-    and the reward model included)."""
+    - None when there was none - and the reward model included)."""
     paths = job.paths
     return {"stage": stage, "tokenizer": {"path": str(paths.tokenizer), "fingerprint": tok.fingerprint},
             "saved_with_parallel": to_dict(job.parallel),
             "metrics": {**final, **{k: v for k, v in last.items() if not k.startswith("timing/")}},
-            "lineage": {**job.lineage, "reference": paths.reference or paths.policy,
+            "lineage": {**job.lineage, "reference": (paths.reference or paths.policy) if kl_reference else None,
                         "reward_model": paths.reward_model, "config_hash": config_hash(job)}}
