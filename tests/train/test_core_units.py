@@ -73,29 +73,31 @@ def test_prompt_stream_is_resumable_and_reshuffles_per_epoch():
 
 def test_split_rows_follows_the_order():
     rows = {"a": torch.arange(5), "input_ids": torch.ones(5, 8, dtype=torch.long), "loss_mask": torch.ones(5, 8)}
-    out = split_rows(rows, 2, torch.tensor([4, 0, 3, 1, 2]))
-    assert [mb["a"].tolist() for mb in out] == [[4, 0], [3, 1], [2]]
+    out, order = split_rows(rows, 2, torch.tensor([4, 0, 3, 1, 2]))
+    assert [mb["a"].tolist() for mb in out] == [[4, 0], [3, 1], [2]] and order.tolist() == [4, 0, 3, 1, 2]
 
 
 def test_split_rows_cuts_each_micro_batch_to_the_columns_its_rows_use():
     """Rows of 300 columns whose sequences end at 10, 150, 290 and 40 tokens (prompt + response; the loss mask ends
-    one column earlier): each micro-batch keeps its longest row's columns rounded up to a multiple of 128 (at most
-    all 300), in every per-token tensor; per-row tensors are only indexed; a row without response tokens keeps
-    everything."""
+    one column earlier): the rows are grouped by length (a stable sort of the given order), and each micro-batch
+    keeps its longest row's columns rounded up to a multiple of 128 (at most all 300), in every per-token tensor;
+    per-row tensors are only indexed; a row without response tokens keeps everything."""
     ends = [10, 150, 290, 40]
     mask = torch.zeros(4, 300)
     for i, end in enumerate(ends):
         mask[i, 3 : end - 1] = 1  # labels 3 .. end-2: tokens 4 .. end-1 are the response
     rows = {"input_ids": torch.arange(1200).view(4, 300), "loss_mask": mask, "advantages": torch.arange(4.0),
             "ref_logp": torch.randn(4, 300)}
-    out = split_rows(rows, 2, torch.tensor([0, 3, 1, 2]))
+    out, order = split_rows(rows, 2, torch.tensor([1, 3, 0, 2]))  # grouped by length: rows 0, 3 then 1, 2
+    assert order.tolist() == [0, 3, 1, 2]
     assert [mb["input_ids"].shape[1] for mb in out] == [128, 300]  # max(10, 40) -> 128; max(150, 290) -> 300
     assert torch.equal(out[0]["input_ids"], rows["input_ids"][[0, 3], :128])
     assert torch.equal(out[1]["ref_logp"], rows["ref_logp"][[1, 2]])
     assert out[1]["advantages"].tolist() == [1.0, 2.0]
-    assert [mb["input_ids"].shape[1] for mb in split_rows(rows, 1, torch.tensor([1, 3]))] == [256, 128]
+    out, order = split_rows(rows, 1, torch.tensor([1, 3]))
+    assert order.tolist() == [3, 1] and [mb["input_ids"].shape[1] for mb in out] == [128, 256]
     rows["loss_mask"][3] = 0  # no response token (a prompt that filled seq_length)
-    assert split_rows(rows, 1, torch.tensor([3]))[0]["loss_mask"].shape[1] == 300
+    assert split_rows(rows, 1, torch.tensor([3]))[0][0]["loss_mask"].shape[1] == 300
 
 
 def test_dp_stats_means_and_stds(single_process_group):

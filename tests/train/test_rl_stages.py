@@ -320,9 +320,10 @@ def test_dynamic_sampling_drops_groups_without_signal_and_refills(models, tmp_pa
 
 def test_micro_batches_cut_to_their_rows_train_as_rows_without_the_padding(models, tmp_path):
     """A policy (a tiny random HF Llama) run at seq_length 300 gets rollout rows of 300 columns, most of them right
-    padding: every micro-batch is cut to 128 columns (its rows' length rounded up) for the reference forward and the
-    training step. The run equals one at seq_length 128, whose rows have no padding past that: same rollouts, same
-    losses and updates."""
+    padding: the rows are grouped by length and every micro-batch is cut to 128 columns (its rows' length rounded
+    up) for the reference forward and the training step. The run equals one at seq_length 64, whose rows are
+    neither regrouped nor cut: same rollouts, same per-row reference log-probs (KL), losses and updates (up to the
+    order in which the micro-batches' gradients add up)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -335,7 +336,7 @@ def test_micro_batches_cut_to_their_rows_train_as_rows_without_the_padding(model
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                  tie_word_embeddings=True)).save_pretrained(str(hf))
     runs = {}
-    for seq in (128, 300):
+    for seq in (64, 300):
         job = reinforce_job(models, tmp_path / f"s{seq}", iterations=2)
         job = dataclasses.replace(job, model=dataclasses.replace(job.model, seq_length=seq),
                                   paths=dataclasses.replace(job.paths, policy=str(hf)))
@@ -343,7 +344,7 @@ def test_micro_batches_cut_to_their_rows_train_as_rows_without_the_padding(model
         meta = json.loads((Path(result["actor_dir"]) / "meta.json").read_text())
         assert meta["model"]["seq_length"] == seq
         runs[seq] = _deterministic(result["history"])
-    for a, b in zip(runs[128], runs[300]):
+    for a, b in zip(runs[64], runs[300]):
         assert a.keys() == b.keys()
         for k in a:
-            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), (k, a[k], b[k])
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (k, a[k], b[k])  # other shapes: float noise

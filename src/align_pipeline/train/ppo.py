@@ -167,9 +167,9 @@ def main(job: PPOJob) -> dict:
             for epoch in range(rl.epochs):
                 order = rollout.minibatch_order(rl.seed, iteration, epoch, r.n, dist.device)
                 if train_actor:
-                    actor_steps += [train_step(actor, split_rows(rows, mbs, chunk), policy_loss, POLICY_METRICS,
+                    actor_steps += [train_step(actor, split_rows(rows, mbs, chunk)[0], policy_loss, POLICY_METRICS,
                                                dist, stage.seq_length) for chunk in order.chunk(rl.minibatches)]
-                critic_steps += [train_step(critic, split_rows(rows, mbs, chunk), value_loss, VALUE_METRICS, dist,
+                critic_steps += [train_step(critic, split_rows(rows, mbs, chunk)[0], value_loss, VALUE_METRICS, dist,
                                             stage.seq_length) for chunk in order.chunk(rl.minibatches)]
         iteration += 1
         # 5. log, validate, checkpoint

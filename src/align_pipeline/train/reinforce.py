@@ -113,7 +113,7 @@ def main(job: ReinforceJob) -> dict:
         with timings("timing/train_s"):
             for epoch in range(rl.epochs):
                 order = rollout.minibatch_order(rl.seed, iteration, epoch, r.n, dist.device)
-                steps += [train_step(actor, split_rows(rows, mbs, chunk), loss, metric_names, dist, stage.seq_length)
+                steps += [train_step(actor, split_rows(rows, mbs, chunk)[0], loss, metric_names, dist, stage.seq_length)
                           for chunk in order.chunk(rl.minibatches)]
         iteration += 1
         # 5. log, validate, checkpoint

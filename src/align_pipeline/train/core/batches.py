@@ -284,18 +284,32 @@ TRIM_MULTIPLE = 128
 shapes for the attention and GEMM kernels)."""
 
 
-def split_rows(rows: dict[str, torch.Tensor], micro_batch_size: int, order: torch.Tensor | None = None) -> list[dict]:
-    """Rollout row dict [n, ...] -> micro-batches of ``micro_batch_size`` rows (optionally in ``order``), each cut
-    to the columns its rows use: right padding past its longest row (``loss_mask``: the last response token),
-    rounded up to a multiple of :data:`TRIM_MULTIPLE`, is dropped from every per-token tensor ([n, S]). Causal
-    attention makes the kept columns' outputs those of the full row; long rollouts of varied lengths no longer pay
-    the forward and backward of every row's padding up to ``seq_length``."""
+def row_ends(rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[n] the columns each rollout row uses: through its last response token (``loss_mask``), or all of them for a
+    row without one."""
+    mask = rows["loss_mask"] != 0  # [n, S]
+    width = mask.shape[1]
+    columns = torch.arange(width, device=mask.device)
+    return torch.where(mask.any(-1), (columns * mask).amax(-1) + 2, width).clamp(max=width)
+
+
+def split_rows(rows: dict[str, torch.Tensor], micro_batch_size: int, order: torch.Tensor | None = None
+               ) -> tuple[list[dict], torch.Tensor]:
+    """Rollout row dict [n, ...] -> (micro-batches of ``micro_batch_size`` rows, the row order they hold).
+
+    The rows are ``order`` (default: all, in order); when the rows are at least :data:`TRIM_MULTIPLE` columns wide,
+    they are sorted by the columns they use first (stable), so that rows of like lengths share a micro-batch. Each
+    micro-batch is cut to the columns its rows use: right padding past its longest row, rounded up to a multiple of
+    :data:`TRIM_MULTIPLE`, is dropped from every per-token tensor ([n, S]). Causal attention makes the kept columns'
+    outputs those of the full row; long rollouts of varied lengths no longer pay the forward and backward of every
+    row's padding up to ``seq_length``. The micro-batches of one optimizer step hold the same rows whatever their
+    grouping (the gradient is their sum)."""
     first = rows["input_ids"]
     n, width = first.shape
     idx = order if order is not None else torch.arange(n, device=first.device)
-    mask = rows["loss_mask"] != 0  # [n, S]
-    columns = torch.arange(width, device=first.device)
-    ends = torch.where(mask.any(-1), (columns * mask).amax(-1) + 2, width).clamp(max=width)  # [n] columns used
+    ends = row_ends(rows)  # [n]
+    if width >= TRIM_MULTIPLE:
+        idx = idx[torch.argsort(ends[idx], stable=True)]
     ends_host, idx_host = ends.tolist(), idx.tolist()  # (one wait for the device)
     out = []
     for i in range(0, len(idx), micro_batch_size):
@@ -303,4 +317,4 @@ def split_rows(rows: dict[str, torch.Tensor], micro_batch_size: int, order: torc
         used = max(ends_host[j] for j in idx_host[i : i + micro_batch_size])
         keep = min(width, -(-used // TRIM_MULTIPLE) * TRIM_MULTIPLE)
         out.append({k: (v[part, :keep] if v.dim() >= 2 and v.shape[1] == width else v[part]) for k, v in rows.items()})
-    return out
+    return out, idx

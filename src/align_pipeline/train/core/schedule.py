@@ -147,11 +147,13 @@ def _with_count(loss_fn, output_tensor):
 def forward_rows(model, rows: dict[str, torch.Tensor], forward, micro_batch_size: int, dist: Dist) -> torch.Tensor:
     """Forward-only over this rank's ``rows`` (no pipeline parallelism): ``forward`` from
     :mod:`align_pipeline.model.sequences`; returns the per-row values [n, ...] in row order."""
+    microbatches, order = split_rows(rows, micro_batch_size)
     with torch.no_grad():
-        out = collect_per_sample(model, split_rows(rows, micro_batch_size), forward, dist,
-                                 width=rows["input_ids"].shape[1])
-    if out is None:
+        values = collect_per_sample(model, microbatches, forward, dist, width=rows["input_ids"].shape[1])
+    if values is None:
         raise RuntimeError("forward_rows needs pipeline_model_parallel_size 1")
+    out = torch.empty_like(values)
+    out[order] = values  # back to row order (split_rows may group rows by length)
     return out
 
 
