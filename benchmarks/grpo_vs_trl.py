@@ -32,7 +32,6 @@ import argparse
 import datetime
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -52,46 +51,12 @@ SHAPES = {
 
 def run_ours(args, shape: dict[str, Any], data: Path, tokenizer: Path, hf: Path, seq_length: int, bf16: bool
              ) -> dict[str, Any]:
-    from align_pipeline.config import (
-        GenerationConfig,
-        KLConfig,
-        LaunchConfig,
-        ModelConfig,
-        OptimizerConfig,
-        ParallelConfig,
-        ReinforceConfig,
-        ReinforceJob,
-        ReinforceLossConfig,
-        RewardConfig,
-        RewardFunctionConfig,
-        RLLoopConfig,
-        RLPaths,
-        to_dict,
-    )
-    from align_pipeline.launch import run_torchrun
+    from rl_iteration import run_reinforce
 
-    rows = shape["prompts"] * shape["samples"]
-    section = ReinforceConfig(
-        rl=RLLoopConfig(seed=1, iterations=shape["steps"], prompts_per_iteration=shape["prompts"], epochs=1,
-                        minibatches=1, micro_batch_size=shape["micro_batch"], log_interval=1, eval_interval=0,
-                        eval_prompts=0, save_interval=0),
-        generation=GenerationConfig(max_new_tokens=shape["new"], samples_per_prompt=shape["samples"], seed=3,
-                                    batch_size=rows, prefill_bucket=shape["bucket"]),
-        reward=RewardConfig(reward_model_weight=0.0,
-                            functions=[RewardFunctionConfig(name="rl_iteration:hash_reward")]),
-        loss=ReinforceLossConfig(estimator="grpo", aggregation="token_mean"),
-        kl=KLConfig(estimator="k3", beta=args.beta),
-        optimizer=OptimizerConfig(lr=args.lr, min_lr=args.lr, warmup_steps=0, weight_decay=0.0))
-    run_dir = args.work / "ours"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    job = ReinforceJob(reinforce=section, model=ModelConfig(attention_backend="sdpa", seq_length=seq_length),
-                       parallel=ParallelConfig(bf16=bf16),
-                       paths=RLPaths(run_dir=str(run_dir), prompts=str(data), tokenizer=str(tokenizer),
-                                     policy=str(hf)))
-    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     print("[grpo_vs_trl] ours ...", flush=True)
-    result = run_torchrun("align_pipeline.train.reinforce", to_dict(job), LaunchConfig(nproc_per_node=1),
-                          str(run_dir), env=env)
+    result = run_reinforce(args.work / "ours", shape, data, tokenizer, hf, seq_length, bf16,
+                           iterations=shape["steps"], micro_batch=shape["micro_batch"], beta=args.beta, lr=args.lr,
+                           weight_decay=0.0)
     history = result["history"]
     return {"step_times_s": [h["timing/iteration_s"] for h in history],
             "generate_s": [h["timing/generate_s"] for h in history],
@@ -214,25 +179,19 @@ def main(argv: list[str] | None = None) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
 
     from generation import model_shape
-    from rl_iteration import write_model
+    from rl_iteration import write_model, write_prompts
     from sft_scaling import device_name, versions
 
     from align_pipeline.data.tokenizer import load_hf_tokenizer
 
     shape = SHAPES[args.shape]
     model = model_shape(shape["model"])
-    vocab = model["vocab_size"]
-    rng = random.Random(1)
-    lo, hi = shape["prompt_range"]
-    prompts = [[rng.randrange(3 + args.stop_ids, vocab) for _ in range(rng.randint(lo, hi))]
-               for _ in range(shape["prompts"])]
     hf = args.work / "hf"
     parameters = write_model(hf, model, list(range(2, 2 + args.stop_ids)))
     tokenizer = args.work / "tokenizer"
     load_hf_tokenizer(hf).save(tokenizer)
     data = args.work / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": " ".join(f"t{i}" for i in p), "prompt_ids": p, "answer": "0"})
-                            + "\n" for p in prompts))
+    prompts = write_prompts(data, shape, model["vocab_size"], lowest=3 + args.stop_ids)
     gpu = device_name()
     bf16 = "CPU" not in gpu
     longest = -(-max(len(p) for p in prompts) // shape["bucket"]) * shape["bucket"]

@@ -66,21 +66,23 @@ def write_model(hf: Path, shape: dict[str, Any], stop_ids: list[int]) -> int:
     return params
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--work", type=Path, required=True, help="models, data and run directories")
-    parser.add_argument("--shape", default="1b", choices=list(RUNS))
-    parser.add_argument("--iterations", type=int, default=2)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--mean", type=float, default=400.0, help="mean response length wanted (variable lengths)")
-    parser.add_argument("--lengths", nargs="+", default=["variable", "uniform"], choices=["variable", "uniform"])
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+def write_prompts(path: Path, run: dict[str, Any], vocab: int, lowest: int = 3) -> list[list[int]]:
+    """``run["prompts"]`` prompts of random ids in [``lowest``, ``vocab``), lengths drawn from
+    ``run["prompt_range"]`` (seeded), written as the stage's prompts jsonl at ``path`` -> the prompts' ids."""
+    rng = random.Random(1)
+    lo, hi = run["prompt_range"]
+    prompts = [[rng.randrange(lowest, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(run["prompts"])]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"prompt": " ".join(f"t{i}" for i in p), "prompt_ids": p, "answer": "0"})
+                            + "\n" for p in prompts))
+    return prompts
 
-    from generation import model_shape
-    from sft_scaling import device_name, versions
 
+def run_reinforce(run_dir: Path, run: dict[str, Any], data: Path, tokenizer: Path, hf: Path, seq_length: int,
+                  bf16: bool, *, iterations: int, micro_batch: int, beta: float, lr: float,
+                  weight_decay: float = 0.01) -> dict[str, Any]:
+    """``python -m align_pipeline.train.reinforce`` under torchrun on one process: on-policy GRPO (token-mean loss)
+    over ``run``'s prompts x samples, the hash reward, no validation or checkpoints -> the job's result."""
     from align_pipeline.config import (
         GenerationConfig,
         KLConfig,
@@ -97,19 +99,50 @@ def main(argv: list[str] | None = None) -> None:
         RLPaths,
         to_dict,
     )
-    from align_pipeline.data.tokenizer import load_hf_tokenizer
     from align_pipeline.launch import run_torchrun
+
+    section = ReinforceConfig(
+        rl=RLLoopConfig(seed=1, iterations=iterations, prompts_per_iteration=run["prompts"], epochs=1,
+                        minibatches=1, micro_batch_size=micro_batch, log_interval=1, eval_interval=0,
+                        eval_prompts=0, save_interval=0),
+        generation=GenerationConfig(max_new_tokens=run["new"], samples_per_prompt=run["samples"], seed=3,
+                                    batch_size=run["prompts"] * run["samples"], prefill_bucket=run["bucket"]),
+        reward=RewardConfig(reward_model_weight=0.0,
+                            functions=[RewardFunctionConfig(name="rl_iteration:hash_reward")]),
+        loss=ReinforceLossConfig(estimator="grpo", aggregation="token_mean"), kl=KLConfig(estimator="k3", beta=beta),
+        optimizer=OptimizerConfig(lr=lr, min_lr=lr, warmup_steps=0, weight_decay=weight_decay))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job = ReinforceJob(reinforce=section, model=ModelConfig(attention_backend="sdpa", seq_length=seq_length),
+                       parallel=ParallelConfig(bf16=bf16),
+                       paths=RLPaths(run_dir=str(run_dir), prompts=str(data), tokenizer=str(tokenizer),
+                                     policy=str(hf)))
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    return run_torchrun("align_pipeline.train.reinforce", to_dict(job), LaunchConfig(nproc_per_node=1),
+                        str(run_dir), env=env)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, required=True, help="models, data and run directories")
+    parser.add_argument("--shape", default="1b", choices=list(RUNS))
+    parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--mean", type=float, default=400.0, help="mean response length wanted (variable lengths)")
+    parser.add_argument("--lengths", nargs="+", default=["variable", "uniform"], choices=["variable", "uniform"])
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from generation import model_shape
+    from sft_scaling import device_name, versions
+
+    from align_pipeline.data.tokenizer import load_hf_tokenizer
 
     run = RUNS[args.shape]
     shape = model_shape(run["model"])
     vocab, new = shape["vocab_size"], run["new"]
-    rng = random.Random(1)
-    lo, hi = run["prompt_range"]
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(run["prompts"])]
     data = args.work / "prompts.jsonl"
-    args.work.mkdir(parents=True, exist_ok=True)
-    data.write_text("".join(json.dumps({"prompt": " ".join(f"t{i}" for i in p), "prompt_ids": p, "answer": "0"})
-                            + "\n" for p in prompts))
+    prompts = write_prompts(data, run, vocab)
     longest = -(-max(len(p) for p in prompts) // run["bucket"]) * run["bucket"]
     gpu = device_name()
     bf16 = "CPU" not in gpu
@@ -125,25 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         report["parameters"] = write_model(hf, shape, stops)
         tokenizer = args.work / f"tokenizer_{lengths}"
         load_hf_tokenizer(hf).save(tokenizer)
-        section = ReinforceConfig(
-            rl=RLLoopConfig(seed=1, iterations=args.iterations, prompts_per_iteration=run["prompts"], epochs=1,
-                            minibatches=1, micro_batch_size=args.micro_batch, log_interval=1, eval_interval=0,
-                            eval_prompts=0, save_interval=0),
-            generation=GenerationConfig(max_new_tokens=new, samples_per_prompt=run["samples"], seed=3,
-                                        batch_size=run["prompts"] * run["samples"], prefill_bucket=run["bucket"]),
-            reward=RewardConfig(reward_model_weight=0.0,
-                                functions=[RewardFunctionConfig(name="rl_iteration:hash_reward")]),
-            loss=ReinforceLossConfig(estimator="grpo"), kl=KLConfig(estimator="k3", beta=0.05),
-            optimizer=OptimizerConfig(lr=1e-6, min_lr=1e-6, warmup_steps=0))
-        run_dir = args.work / f"run_{lengths}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        job = ReinforceJob(reinforce=section, model=ModelConfig(attention_backend="sdpa", seq_length=longest + new),
-                           parallel=ParallelConfig(bf16=bf16),
-                           paths=RLPaths(run_dir=str(run_dir), prompts=str(data), tokenizer=str(tokenizer),
-                                         policy=str(hf)))
-        env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-        result = run_torchrun("align_pipeline.train.reinforce", to_dict(job), LaunchConfig(nproc_per_node=1),
-                              str(run_dir), env=env)
+        result = run_reinforce(args.work / f"run_{lengths}", run, data, tokenizer, hf, longest + new, bf16,
+                               iterations=args.iterations, micro_batch=args.micro_batch, beta=0.05, lr=1e-6)
         last = result["history"][-1]
         generated = last["rollout/response_length/mean"] * report["rows"]
         trained = generated + run["samples"] * sum(len(p) for p in prompts)

@@ -32,14 +32,14 @@ import datetime
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from generation import make_hf_model, model_shape, sync
+from generation import make_hf_model, model_shape
+from generation import timed as generation_timed
 from sft_scaling import device_name, versions
 
 RUNS = {
@@ -57,13 +57,8 @@ def same(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def timed(fn, repeats: int) -> tuple[float, Any]:
-    walls, out = [], None
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        out = fn()
-        sync()
-        walls.append(time.perf_counter() - t0)
+    """(median wall time of ``repeats`` calls, the last call's output): :func:`generation.timed`'s median."""
+    walls, out = generation_timed(fn, repeats)
     return statistics.median(walls), out
 
 
