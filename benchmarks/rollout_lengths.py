@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))
 
 from generation import make_hf_model, model_shape
 from generation import timed as generation_timed
-from sft_scaling import device_name, versions
+from sft_scaling import device_name, hbm_tb_s, versions
 
 RUNS = {
     "1b": {"model": "1b_b64", "prompts": 32, "samples": 8, "prompt_range": (64, 512), "new": 2048, "bucket": 64,
@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mean", type=float, default=400.0, help="mean response length wanted (variable lengths)")
     parser.add_argument("--hbm-tb-s", type=float, default=None,
                         help="peak HBM bandwidth in TB/s (default: H200 4.8, H100 3.35, by the device's name)")
+    parser.add_argument("--uniform-only", action="store_true", help="only the uniform-length generation")
+    parser.add_argument("--unfolded", action="store_true",
+                        help="decode attention with enable_gqa instead of folded query groups (the form before)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -80,13 +83,14 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from align_pipeline.config import ModelConfig, ParallelConfig
-    from align_pipeline.model import init
+    from align_pipeline.model import decode, init
     from align_pipeline.model.decode import kv_bytes_per_row
     from align_pipeline.model.generate import generate, prepare_generation
     from align_pipeline.train.core.distributed import init_distributed
 
+    decode.FOLD_GROUPS = not args.unfolded
     if args.hbm_tb_s is None:
-        args.hbm_tb_s = 3.35 if "H100" in device_name() else 4.8
+        args.hbm_tb_s = hbm_tb_s(device_name())
     run = RUNS[args.shape]
     dist = init_distributed(ParallelConfig(bf16=True), seed=0)
     shape = model_shape(run["model"])
@@ -136,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     results["uniform"] = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
                           "ms_per_step": 1000 * wall / new, "hbm_floor_s": floor_s, "of_floor": floor_s / wall}
     save()
+    if args.uniform_only:
+        print(json.dumps(results["uniform"]))
+        return
 
     # ---- variable lengths: the same samples four ways
     call(rows)  # warm

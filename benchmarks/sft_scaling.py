@@ -265,6 +265,11 @@ def device_name() -> str:
     return f"CPU ({os.cpu_count()} cores)"
 
 
+def hbm_tb_s(device: str) -> float:
+    """Peak HBM bandwidth in TB/s of a device named by :func:`device_name` (H100 SXM 3.35, else the H200's 4.8)."""
+    return 3.35 if "H100" in device else 4.8
+
+
 def versions() -> dict[str, str]:
     from importlib.metadata import version
 

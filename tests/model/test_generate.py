@@ -332,6 +332,64 @@ def test_decode_rope_is_megatrons_rope_bit_for_bit():
             assert torch.equal(ours_k, _apply_rotary_pos_emb_bshd(k, freqs[cols])), dtype
 
 
+def _attend_reference(q, k, v, keep, scale):
+    """Decode attention by hand: query head h reads key/value head h // (heads / groups), over the kept columns."""
+    import torch
+
+    b, heads, _, d = q.shape
+    group = heads // k.shape[1]
+    out = torch.empty(b, heads, 1, d, dtype=torch.float64)
+    for i in range(b):
+        cols = keep[i, 0, 0].nonzero().flatten()
+        for h in range(heads):
+            kh, vh = k[i, h // group, cols].double(), v[i, h // group, cols].double()
+            weights = torch.softmax((kh @ q[i, h, 0].double()) * scale, dim=0)
+            out[i, h, 0] = weights @ vh
+    return out
+
+
+@pytest.mark.parametrize("heads,groups", [(8, 2), (12, 4), (4, 4), (6, 1)])
+def test_decode_attention_with_folded_query_groups(heads, groups):
+    """The decode step's attention over the cache (model/decode.attend_cache): the GPU form (each key/value group's
+    query heads folded into the query axis) and the CPU form (SDPA's enable_gqa) both equal attention computed by
+    hand, rows keeping different numbers of columns."""
+    import torch
+
+    from align_pipeline.model.decode import attend_cache
+
+    g = torch.Generator().manual_seed(heads * 10 + groups)
+    b, span, d = 5, 37, 16
+    q = torch.randn(1, b, heads, d, generator=g).permute(1, 2, 0, 3)  # as the engine permutes [sq, b, np, hn]
+    k, v = torch.randn(b, groups, span, d, generator=g), torch.randn(b, groups, span, d, generator=g)
+    filled = torch.tensor([1, 5, 17, 36, 37])
+    keep = (torch.arange(span)[None, :] < filled[:, None])[:, None, None, :]
+    expected = _attend_reference(q, k, v, keep, 0.25)
+    for fold in (True, False):
+        out = attend_cache(q, k, v, keep, 0.25, fold=fold)
+        assert out.shape == (b, heads, 1, d)
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-6)
+    assert attend_cache(q, k, v, keep, 0.25).equal(attend_cache(q, k, v, keep, 0.25, fold=False))  # CPU: unfolded
+
+
+@pytest.mark.gpu
+def test_decode_attention_with_folded_query_groups_on_a_gpu():
+    """On a GPU the folded form is the default; fp32 and bf16 against attention computed by hand."""
+    import torch
+
+    from align_pipeline.model.decode import attend_cache
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, groups, span, d = 64, 32, 8, 300, 64
+    q = torch.randn(b, heads, 1, d, generator=g)
+    k, v = torch.randn(b, groups, span, d, generator=g), torch.randn(b, groups, span, d, generator=g)
+    keep = (torch.arange(span)[None, :] < torch.randint(1, span + 1, (b,), generator=g)[:, None])[:, None, None, :]
+    expected = _attend_reference(q, k, v, keep, d**-0.5)
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        args = [x.to("cuda", dtype) for x in (q, k, v)]
+        out = attend_cache(*args, keep.cuda(), d**-0.5)
+        torch.testing.assert_close(out.double().cpu(), expected, rtol=0, atol=atol)
+
+
 def test_throughput_64_prompts(tp1):
     """Reported, not asserted: tokens/s for 64 prompts x 16 new tokens (printed with -s)."""
     for case in ("bench_64x16", "bench_64x16_nocache"):
