@@ -40,6 +40,18 @@ FORGETFUL = (
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
+# ChatML with tools (Qwen 2.5-like): the tools' schemas in a system block, an assistant's tool calls as
+# <tool_call>{json}</tool_call>, tool answers as "tool" turns.
+CHATML_TOOLS = (
+    "{%- if tools %}{{ '<|im_start|>system\n# Tools\n' }}{%- for t in tools %}{{ t | tojson + '\n' }}{%- endfor %}"
+    "{{ '<|im_end|>\n' }}{%- endif %}"
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{%- if m['content'] %}{{ m['content'] }}"
+    "{%- endif %}{%- if m['tool_calls'] is defined and m['tool_calls'] %}{%- for c in m['tool_calls'] %}"
+    "{{ '<tool_call>' + {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson"
+    " + '</tool_call>' }}{%- endfor %}{%- endif %}{{ '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
 STYLES = {
     "chatml": {"template": CHATML, "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
                "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "post_bos": False},
@@ -50,6 +62,8 @@ STYLES = {
                 "specials": ["<unk>", "<s>", "</s>"], "post_bos": True},
     "steerlm": {"template": STEERLM, "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
                 "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "post_bos": False},
+    "chatml_tools": {"template": CHATML_TOOLS, "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
+                     "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "post_bos": False},
     "forgetful": {"template": FORGETFUL, "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
                   "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "post_bos": False},
 }
@@ -59,6 +73,7 @@ CORPUS = [
     "What is 12 + 30? The answer is 42.",
     "Reverse the word hello: olleh. Solve: 3 * 4 = 12, so #### 12",
     "user assistant system \\boxed{7} quality:4,toxicity:0 Natalia sold 48 clips in April.",
+    'tool <tool_call>{"name": "calculator", "arguments": {"expression": "12 + 30"}}</tool_call> # Tools',
 ]
 
 

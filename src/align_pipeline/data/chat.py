@@ -119,24 +119,29 @@ class ChatTemplate:
         except Exception as exc:  # noqa: BLE001 - jinja's syntax errors, unknown filters and the like
             raise ChatTemplateError(_problem(origin, exc)) from None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """The template's text for ``messages`` (``[{"role", "content"}, ...]``)."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The template's text for ``messages`` (``[{"role", "content"}, ...]``), with ``tools`` (function schemas)
+        passed as the template's ``tools`` variable when given, as ``apply_chat_template(tools=...)`` does."""
+        extra = {"tools": tools} if tools is not None else {}
         try:
             return _compile(self.source).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=messages, add_generation_prompt=add_generation_prompt, **extra, **self.special_tokens
             )
         except Exception as exc:  # noqa: BLE001 - raise_exception() in the template, undefined variables, ...
             raise ChatTemplateError(_problem(self.origin, exc)) from None
 
-    def render_with_spans(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
-        """The whole conversation's text and the ``[start, end)`` character span of every assistant turn."""
-        text = self.render(messages)
+    def render_with_spans(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                          train_from: int = 0) -> tuple[str, list[tuple[int, int]]]:
+        """The whole conversation's text and the ``[start, end)`` character span of every assistant turn from message
+        ``train_from`` on (a preference pair's completion; the prompt's own assistant turns are context)."""
+        text = self.render(messages, tools=tools)
         spans = []
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or i < train_from:
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True) if i else ""
-            through = self.render(messages[: i + 1])
+            before = self.render(messages[:i], add_generation_prompt=True, tools=tools) if i else ""
+            through = self.render(messages[: i + 1], tools=tools)
             if not (through.startswith(before) and text.startswith(through)):
                 raise ChatTemplateError(
                     f"chat template in {self.origin}: renders assistant turn {i} differently once later turns "
@@ -158,9 +163,12 @@ class ChatTemplate:
 
 
 def sft_messages(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """An SFT record as chat messages: the optional ``system``, then the turns (``User`` -> ``user``, ``Assistant``
-    -> ``assistant``); a turn's SteerLM ``label`` is kept as the message's ``label`` (templates may render it).
-    ``{"input", "output"}`` is one user and one assistant message."""
+    """An SFT record as chat messages: its ``messages`` (OpenAI / TRL layout) as they are; NeMo's optional
+    ``system``, then the turns (``User`` -> ``user``, ``Assistant`` -> ``assistant``), a turn's SteerLM ``label``
+    kept as the message's ``label`` (templates may render it); ``{"input", "output"}`` is one user and one
+    assistant message."""
+    if "messages" in record:
+        return list(record["messages"])
     if "conversations" not in record:
         return [{"role": "user", "content": record["input"]}, {"role": "assistant", "content": record["output"]}]
     messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
@@ -172,9 +180,17 @@ def sft_messages(record: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def prompt_messages(prompt: str, system: str | None = None) -> list[dict[str, Any]]:
-    """A single-turn prompt (preference, RL, evaluation) as chat messages."""
+def prompt_messages(prompt: str | list[dict[str, Any]], system: str | None = None) -> list[dict[str, Any]]:
+    """A prompt (preference, RL, evaluation) as chat messages: a string is one user turn (after ``system``); a list
+    is already messages."""
+    if isinstance(prompt, list):
+        return list(prompt)
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "prompt_messages", "sft_messages"]
+def completion_messages(response: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response as chat messages: a string is one assistant turn; a list (a TRL completion) is already messages."""
+    return list(response) if isinstance(response, list) else [{"role": "assistant", "content": response}]
+
+
+__all__ = ["ChatTemplate", "ChatTemplateError", "completion_messages", "prompt_messages", "sft_messages"]

@@ -2,7 +2,8 @@
 
 * ``duplicates`` – a line whose record is exactly an earlier line's (same keys and values; key order and JSON
   spacing do not matter). Counted once per repeat: three equal lines are two duplicates.
-* ``empty_answers`` – the trained-on text is empty or whitespace: SFT ``output`` or an Assistant turn's ``value``,
+* ``empty_answers`` – the trained-on text is empty or whitespace: SFT ``output``, an Assistant turn's ``value`` or an
+  assistant message's ``content`` (one that calls no tool),
   preference ``chosen_response`` or ``rejected_response``, a prompt's ``answer`` when given, regression ``response``.
 * ``chosen_equals_rejected`` (preference) – ``chosen_response == rejected_response``: a pair with nothing to learn.
 
@@ -19,6 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from .layouts import blank_response
 from .schemas import DataValidationError, RawData
 
 logger = logging.getLogger(__name__)
@@ -96,11 +98,13 @@ def _blank(value: Any) -> bool:
 
 def _empty_answer(record: dict[str, Any], kind: str) -> bool:
     if kind == "sft":
+        if "messages" in record:
+            return blank_response(record["messages"])
         if "conversations" in record:
             return any(t["from"] == "Assistant" and _blank(t["value"]) for t in record["conversations"])
         return _blank(record["output"])
     if kind == "preference":
-        return _blank(record["chosen_response"]) or _blank(record["rejected_response"])
+        return blank_response(record["chosen_response"]) or blank_response(record["rejected_response"])
     if kind == "prompts":
         return _blank(record.get("answer"))
     return _blank(record.get("response"))

@@ -19,7 +19,10 @@ def display_path(path: str | os.PathLike) -> str:
     return path if rel.startswith("..") else rel
 
 
-def make_error(source: str, line: int | None, fieldname: str | None, problem: str) -> DataValidationError:
-    where = source if line is None else f"{source} line {line}"
+def make_error(source: str, line: int | None, fieldname: str | None, problem: str, unit: str = "line"
+               ) -> DataValidationError:
+    """``<source> <unit> <line>: field "<fieldname>": <problem>`` (``unit``: ``line`` of a jsonl file, ``row`` of a
+    table)."""
+    where = source if line is None else f"{source} {unit} {line}"
     what = f'field "{fieldname}": ' if fieldname else ""
     return DataValidationError(f"{where}: {what}{problem}")

@@ -1,6 +1,8 @@
-"""Schemas of the raw jsonl files (NeMo-Aligner compatible) and their validation.
+"""Schemas of the raw records and their validation: NeMo-Aligner's layouts here, TRL / OpenAI / veRL's in
+:mod:`.layouts` (normalized into the records below), storage (jsonl, parquet, ``save_to_disk``) in :mod:`.sources`.
 
-One JSON object per line (blank lines are skipped; line numbers are the file's physical lines):
+One JSON object per line (blank lines are skipped; line numbers are the file's physical lines), or one row of a table
+(rows numbered from 1). NeMo-Aligner's layouts, and the records data_prep reads:
 
 * SFT, plain: ``{"input": str, "output": str}`` – loss on ``output``.
 * SFT, chat:  ``{"system"?: str, "conversations": [{"from": "User"|"Assistant", "value": str}, ...]}`` – loss on
@@ -15,7 +17,9 @@ One JSON object per line (blank lines are skipped; line numbers are the file's p
   (``answer`` is what the built-in checkers compare with); or NeMo-Aligner's PPO format ``{"text": str, ...}``: an
   already-templated prompt, used verbatim (its ``prompt`` is the text).
 
-A file is in one layout or the other (its first record decides). Any other key of SFT and preference records is
+Beyond these, SFT records may be ``{"messages": [...], "tools"?}``, preference values and prompts may be chat
+messages (:mod:`.layouts`). A file is in one layout (its first record decides, or ``data_prep.layouts``); a record in
+another is refused. Any other key of SFT and preference records is
 rejected, as is a prompt field named ``prompt_ids`` (the tokenized prompt's own field). Every problem raises :class:`DataValidationError` naming the file, the line and the
 field, e.g. ``data/01_raw/sft.jsonl line 17: field "output": expected a string, got int``. A string (or key) anywhere
 in a record that holds a lone UTF-16 surrogate – a JSON ``"\ud800"`` escape without its pair, which no UTF-8 text and
@@ -29,11 +33,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import DataValidationError, display_path, make_error
 from .formats import bytes_sha256
+from .layouts import LAYOUTS, VERBATIM, LayoutError, detect, is_messages, key_text, normalize, texts_of
 
 Kind = Literal["sft", "preference", "prompts"]
 KINDS: tuple[str, ...] = ("sft", "preference", "prompts", "regression")
@@ -54,14 +60,19 @@ class RawData:
     lines: list[int] = field(default_factory=list)
     """1-based line number of each record."""
     templated: bool = False
-    """NeMo-Aligner ``{"text"}`` layout: the texts already carry their chat markup; never apply a template."""
+    """The texts are tokenized verbatim, never through a chat template: NeMo-Aligner's ``{"text"}`` layout (the
+    texts carry their chat markup) and the string forms of TRL's preference layouts (as TRL does)."""
+    layout: str = ""
+    """The file's layout (:data:`.layouts.LAYOUTS`)."""
+    unit: str = "line"
+    """What :attr:`lines` count in messages: ``line`` (jsonl) or ``row`` (parquet, a datasets table)."""
 
     def __len__(self) -> int:
         return len(self.records)
 
     def error(self, index: int, fieldname: str | None, problem: str) -> DataValidationError:
         """A :class:`DataValidationError` for record ``index`` (position in :attr:`records`)."""
-        return make_error(self.source, self.lines[index], fieldname, problem)
+        return make_error(self.source, self.lines[index], fieldname, problem, self.unit)
 
 
 class _FieldError(Exception):
@@ -216,28 +227,44 @@ _CHECKS = {
     "prompts": _check_prompts,
     "regression": _check_regression,
 }
+_DEFAULT_LAYOUT = {"sft": "nemo", "preference": "nemo", "prompts": "prompt", "regression": "regression"}
+"""The layout whose checks name the missing field of a first record that matches no layout."""
+_NEMO_LAYOUTS = {"nemo", "prompt", "nemo_text", "regression"}
 
 
-def validate_record(obj: Any, kind: str) -> None:
-    """Raise ``_FieldError`` (internal) when ``obj`` is not a valid record of ``kind``."""
+def validate_record(obj: Any, kind: str, layout: str | None = None) -> dict[str, Any]:
+    """The record as data_prep reads it (a TRL / OpenAI / veRL record normalized, :mod:`.layouts`); raises
+    ``_FieldError`` / :class:`~.layouts.LayoutError` (internal) when ``obj`` is not a valid record of ``kind`` in
+    ``layout`` (default: the one its keys name)."""
     if not isinstance(obj, dict):
         raise _FieldError(None, f"expected a JSON object, got {_type_name(obj)}")
-    _CHECKS[kind](obj)
+    layout = layout or detect(obj, kind) or _DEFAULT_LAYOUT[kind]
+    if layout == "nemo_text" and kind == "preference":
+        _check_text(obj)
+        return obj
+    if layout in _NEMO_LAYOUTS:
+        _CHECKS[kind](obj)
+        record = {**obj, "prompt": obj[TEXT_FIELD]} if layout == "nemo_text" else obj
+    else:
+        if kind == "prompts":
+            _check_reserved(obj)
+        record = normalize(obj, kind, layout)
+    if kind == "prompts" and record.get("answer") is None and record.get("ground_truth") is not None:
+        record = {**record, "answer": record["ground_truth"]}
+    return record
 
 
-def _is_text_layout(obj: Any, kind: str) -> bool:
-    """A NeMo-Aligner ``{"text"}`` record (preference: only ``text``; prompts: ``text`` and no ``prompt``)."""
-    if not isinstance(obj, dict) or TEXT_FIELD not in obj:
-        return False
-    return "prompt" not in obj if kind == "prompts" else kind == "preference" and set(obj) == {TEXT_FIELD}
+def _check_reserved(obj: dict) -> None:
+    reserved = RESERVED_PROMPT_FIELDS & obj.keys()
+    if reserved:
+        raise _FieldError(reserved.pop(), "reserved for the tokenized prompt; rename the field")
 
 
-def parse_jsonl_bytes(blob: bytes, kind: str, source: str) -> RawData:
-    """Validate the bytes of a raw jsonl file of ``kind``; ``source`` is the name used in error messages."""
-    if kind not in _CHECKS:
-        raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
-    data = RawData(kind=kind, source=source, sha256=bytes_sha256(blob))
-    layout: bool | None = None  # True = NeMo {"text"} layout, decided by the first record
+Row = tuple[int, Any, bool]
+"""(1-based line or row number, the decoded record, whether its strings may hold lone surrogates)."""
+
+
+def _jsonl_rows(blob: bytes, source: str) -> Iterator[Row]:
     for lineno, raw in enumerate(blob.split(b"\n"), start=1):
         try:
             text = raw.decode("utf-8")
@@ -249,28 +276,75 @@ def parse_jsonl_bytes(blob: bytes, kind: str, source: str) -> RawData:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
             raise make_error(source, lineno, None, f"invalid JSON ({exc.msg} at column {exc.colno})") from None
-        text_layout = _is_text_layout(obj, kind)
-        if layout is None:
-            layout = text_layout
-        elif text_layout != layout:
-            first = 'NeMo-Aligner {"text"}' if layout else "field"
-            raise make_error(source, lineno, None, f"mixes layouts: the file's first record is in the {first} layout")
+        yield lineno, obj, bool(_SURROGATE_ESCAPE.search(raw))
+
+
+def validate_rows(rows: Iterable[Row], data: RawData, layout: str = "auto") -> RawData:
+    """Validate and normalize every row into ``data`` (its ``kind``, ``source`` and ``unit`` name the rows in
+    messages). The file's layout is ``layout`` when forced, else its first record's; a record whose keys name
+    another layout, or that holds messages where the first held strings (or the reverse), is refused naming its
+    line: a file does not mix layouts."""
+    kind, unit = data.kind, data.unit
+    if kind not in _CHECKS:
+        raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
+    if layout != "auto" and layout not in LAYOUTS[kind]:
+        raise make_error(data.source, None, None, f"data_prep.layouts.{kind} = {layout!r} is not a {kind} layout; "
+                                                  f"expected auto or one of {', '.join(LAYOUTS[kind])}")
+    file_layout = None if layout == "auto" else layout
+    first: tuple[int, str] | None = None  # (line, form) of the first record
+    for number, obj, surrogates in rows:
+        found = detect(obj, kind)
+        if file_layout is None:
+            file_layout = found or _DEFAULT_LAYOUT[kind]
+        elif found is not None and found != file_layout:
+            if layout != "auto":
+                problem = f"is in the {found} layout, but data_prep.layouts.{kind} is {layout}"
+            else:
+                problem = (f"mixes layouts: this record is in the {found} layout, the file's first record "
+                           f"({unit} {first[0] if first else '?'}) in the {file_layout} layout")
+            raise make_error(data.source, number, None, problem, unit)
         try:
-            _check_text(obj) if text_layout and kind == "preference" else validate_record(obj, kind)
-            if _SURROGATE_ESCAPE.search(raw):
+            record = validate_record(obj, kind, file_layout)
+            if surrogates:
                 _check_surrogates(obj)
-        except _FieldError as exc:
-            raise make_error(source, lineno, exc.fieldname, exc.problem) from None
-        if text_layout and kind == "prompts":
-            obj = {**obj, "prompt": obj[TEXT_FIELD]}
-        data.records.append(obj)
-        data.lines.append(lineno)
+        except (_FieldError, LayoutError) as exc:
+            raise make_error(data.source, number, exc.fieldname, exc.problem, unit) from None
+        form = _form(record, kind)
+        if first is None:
+            first = (number, form)
+        elif form != first[1]:
+            raise make_error(data.source, number, _FORM_FIELD[kind],
+                             f"mixes layouts: chat messages and plain strings (this record: {form}; the file's first "
+                             f"record, {unit} {first[0]}: {first[1]})", unit)
+        data.records.append(record)
+        data.lines.append(number)
     if not data.records:
-        raise make_error(source, None, None, f"file is empty: expected one {kind} JSON object per line")
-    data.templated = bool(layout)
-    if layout and kind == "preference":
+        what = "file is empty" if unit == "line" else "no rows"
+        raise make_error(data.source, None, None, f"{what}: expected one {kind} record per {unit}", unit)
+    data.layout = file_layout or _DEFAULT_LAYOUT[kind]
+    data.templated = data.layout == "nemo_text" or (data.layout in VERBATIM and first is not None
+                                                   and first[1] == "text")
+    if data.layout == "nemo_text" and kind == "preference":
         _pair_text_lines(data)
     return data
+
+
+_FORM_FIELD = {"sft": "messages", "preference": "chosen_response", "prompts": "prompt", "regression": "prompt"}
+
+
+def _form(record: dict[str, Any], kind: str) -> str:
+    """``messages`` or ``text``: whether the record's conversation is chat messages (a file holds one or the other)."""
+    if kind == "sft":
+        return "messages" if "messages" in record else "text"
+    return "messages" if is_messages(record.get(_FORM_FIELD[kind])) else "text"
+
+
+def parse_jsonl_bytes(blob: bytes, kind: str, source: str, layout: str = "auto") -> RawData:
+    """Validate the bytes of a raw jsonl file of ``kind``; ``source`` is the name used in error messages."""
+    if kind not in _CHECKS:
+        raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
+    data = RawData(kind=kind, source=source, sha256=bytes_sha256(blob))
+    return validate_rows(_jsonl_rows(blob, source), data, layout)
 
 
 def _pair_text_lines(data: RawData) -> None:
@@ -278,8 +352,8 @@ def _pair_text_lines(data: RawData) -> None:
     the common prefix (cut back to whitespace) as the prompt."""
     if len(data.records) % 2:
         raise make_error(data.source, data.lines[-1], TEXT_FIELD,
-                         "chosen text without its rejected line: NeMo-Aligner's reward-model layout pairs "
-                         "consecutive lines (chosen, then rejected)")
+                         f"chosen text without its rejected {data.unit}: NeMo-Aligner's reward-model layout pairs "
+                         f"consecutive {data.unit}s (chosen, then rejected)", data.unit)
     records, lines = [], []
     for i in range(0, len(data.records), 2):
         chosen, rejected = data.records[i][TEXT_FIELD], data.records[i + 1][TEXT_FIELD]
@@ -303,7 +377,7 @@ def common_prompt_length(a: str, b: str) -> int:
     return n
 
 
-def read_raw_jsonl(path: str | os.PathLike, kind: str, source: str | None = None) -> RawData:
+def read_raw_jsonl(path: str | os.PathLike, kind: str, source: str | None = None, layout: str = "auto") -> RawData:
     """Read and validate a raw jsonl file; every problem raises :class:`DataValidationError`."""
     source = source or display_path(path)
     try:
@@ -311,7 +385,7 @@ def read_raw_jsonl(path: str | os.PathLike, kind: str, source: str | None = None
             blob = f.read()
     except FileNotFoundError:
         raise make_error(source, None, None, "file not found") from None
-    return parse_jsonl_bytes(blob, kind, source)
+    return parse_jsonl_bytes(blob, kind, source, layout)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -325,7 +399,11 @@ def sft_segments(record: dict[str, Any]) -> list[tuple[str, bool]]:
     Plain ``{"input", "output"}`` is one User turn and one Assistant turn. Chat: the optional system text followed
     by a newline, then the turns' values verbatim (no role markup is added: put any template in the text), a turn's
     SteerLM ``label`` (+ newline) before its value. Each Assistant segment is followed by ``<eos>`` when tokenized.
+    Chat messages: the same (a system content + newline, then the contents), the assistant turns as responses;
+    tool calls have no plain rendering (:class:`~.chat.ChatTemplateError`: they need the model's chat template).
     """
+    if "messages" in record:
+        return message_segments(record["messages"])
     if "conversations" in record:
         segs: list[tuple[str, bool]] = []
         if record.get("system"):
@@ -338,8 +416,28 @@ def sft_segments(record: dict[str, Any]) -> list[tuple[str, bool]]:
     return [(record["input"], False), (record["output"], True)]
 
 
+def message_segments(messages: list[dict[str, Any]], responses: bool = True) -> list[tuple[str, bool]]:
+    """Chat messages in the plain layout: ``(content, is_response)`` per message (a system content followed by a
+    newline); assistant turns are responses when ``responses``."""
+    from .chat import ChatTemplateError
+
+    segs = []
+    for m in messages:
+        if m.get("tool_calls") or m["role"] == "tool":
+            raise ChatTemplateError("tool calls and tool messages need a chat template (the plain layout of a "
+                                    "tokenizer without one has no rendering for them)")
+        text = m.get("content") or ""
+        segs.append((text + "\n" if m["role"] == "system" else text, responses and m["role"] == "assistant"))
+    return segs
+
+
 def sft_prompt_text(record: dict[str, Any]) -> str:
-    """The non-response text leading up to the first response (used as the split key)."""
+    """The non-response text leading up to the first response (used as the split key; chat messages: the canonical
+    JSON of the messages before the first assistant turn)."""
+    if "messages" in record:
+        messages = record["messages"]
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        return key_text(messages[:first])
     out = []
     for text, is_response in sft_segments(record):
         if is_response:
@@ -350,10 +448,19 @@ def sft_prompt_text(record: dict[str, Any]) -> str:
 
 def record_texts(record: dict[str, Any]) -> list[str]:
     """Every string a tokenizer should be trained on in a record."""
+    if "messages" in record:
+        return texts_of(record["messages"])
     if "conversations" in record:
         return [record.get("system", "")] + [t[k] for t in record["conversations"] for k in ("label", "value")
                                              if isinstance(t.get(k), str)]
-    return [record[k] for k in TEXT_FIELDS if isinstance(record.get(k), str)]
+    out = []
+    for key in TEXT_FIELDS:
+        value = record.get(key)
+        if isinstance(value, str):
+            out.append(value)
+        elif key != "answer" and is_messages(value):
+            out += texts_of(value)
+    return out
 
 
 TEXT_FIELDS = ("input", "output", "prompt", "chosen_response", "rejected_response", "response", "answer")

@@ -44,9 +44,10 @@ import numpy as np
 
 from align_pipeline.config.base import ConfigError
 
-from .chat import ChatTemplate, ChatTemplateError, prompt_messages, sft_messages
+from .chat import ChatTemplate, ChatTemplateError, completion_messages, prompt_messages, sft_messages
 from .formats import ArrayBundle, RecordBundle
-from .schemas import RawData, sft_prompt_text, sft_segments
+from .layouts import key_text, texts_of, with_texts
+from .schemas import RawData, message_segments, sft_prompt_text, sft_segments
 from .store import ragged, select
 from .tokenizer import TextTokenizer, TokenizerConfig
 
@@ -73,6 +74,17 @@ class OverlongConfig:
 
 
 @dataclass
+class LayoutsConfig:
+    """``data_prep.layouts``: the layout of each raw file (:mod:`align_pipeline.data.layouts`), or ``auto``: its
+    first record's keys decide (a file never mixes layouts)."""
+
+    sft: Literal["auto", "nemo", "messages"] = "auto"
+    preference: Literal["auto", "nemo", "nemo_text", "trl_explicit", "trl_implicit"] = "auto"
+    prompts: Literal["auto", "prompt", "prompt_messages", "nemo_text", "verl"] = "auto"
+    regression: Literal["auto", "regression"] = "auto"
+
+
+@dataclass
 class DataPrepConfig:
     """Parameters of the ``data_prep`` pipeline (``params:data_prep``)."""
 
@@ -94,6 +106,8 @@ class DataPrepConfig:
 
     overlong: OverlongConfig = field(default_factory=lambda: OverlongConfig())
     """What to do with a sample longer than ``model.seq_length``, per data kind."""
+    layouts: LayoutsConfig = field(default_factory=lambda: LayoutsConfig())
+    """The layout of each raw file, or ``auto`` (detected from its first record)."""
 
     def validate(self) -> None:
         for name in ("val_fraction", "prompts_val_fraction"):
@@ -141,9 +155,10 @@ class Renderer:
                 is_response.append(True)
         return ids, is_response
 
-    def messages(self, messages: list[dict[str, Any]]) -> Sample:
+    def messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                 train_from: int = 0) -> Sample:
         assert self.template is not None
-        text, spans = self.template.render_with_spans(messages)
+        text, spans = self.template.render_with_spans(messages, tools=tools, train_from=train_from)
         start = self.tok.start_ids(text)
         ids, offsets = self.tok.encode_with_offsets(text)
         is_response, k = [], 0
@@ -156,19 +171,27 @@ class Renderer:
     def sft(self, record: dict[str, Any]) -> Sample:
         if self.template is None:
             return self.segments(sft_segments(record))
-        return self.messages(sft_messages(record))
+        return self.messages(sft_messages(record), tools=record.get("tools"))
 
-    def prompt_response(self, prompt: str, response: str) -> Sample:
+    def prompt_response(self, prompt: str | list[dict[str, Any]], response: str | list[dict[str, Any]]) -> Sample:
+        """A prompt and its response (each a string or chat messages); the loss on the response's tokens (its
+        assistant turns, under a template)."""
         if self.template is None:
-            return self.segments([(prompt, False), (response, True)])
-        return self.messages(prompt_messages(prompt) + [{"role": "assistant", "content": response}])
+            return self.segments(self._plain(prompt, False) + self._plain(response, True))
+        context = prompt_messages(prompt)
+        return self.messages(context + completion_messages(response), train_from=len(context))
 
-    def prompt(self, prompt: str) -> list[int]:
+    def prompt(self, prompt: str | list[dict[str, Any]]) -> list[int]:
         """The ids a response to ``prompt`` is generated after (the same prefix :meth:`prompt_response` trains)."""
         if self.template is None:
-            return self.tok.start_ids() + self.tok.encode(prompt)
+            return self.tok.start_ids() + [t for text, _ in self._plain(prompt, False) for t in self.tok.encode(text)]
         text = self.template.render(prompt_messages(prompt), add_generation_prompt=True)
         return self.tok.start_ids(text) + self.tok.encode(text)
+
+    @staticmethod
+    def _plain(value: str | list[dict[str, Any]], response: bool) -> list[tuple[str, bool]]:
+        """A string or messages as plain-layout segments (a prompt's messages are all context)."""
+        return [(value, response)] if isinstance(value, str) else message_segments(value, responses=response)
 
     def for_file(self, raw: RawData) -> Renderer:
         """This renderer, or the plain layout for a file whose texts already carry their markup (NeMo ``text``)."""
@@ -277,6 +300,8 @@ class Encoded:
 
 
 def _sft_texts(record: dict[str, Any]) -> list[str]:
+    if "messages" in record:
+        return texts_of(record["messages"])
     if "conversations" not in record:
         return [record["input"], record["output"]]
     return [record.get("system") or ""] + [t.get("label") or "" for t in record["conversations"]] + [
@@ -285,6 +310,8 @@ def _sft_texts(record: dict[str, Any]) -> list[str]:
 
 def _clip_sft(record: dict[str, Any], over: Overlong) -> dict[str, Any]:
     """The record with its texts cut (in reading order) to the characters a truncation at seq_length can use."""
+    if "messages" in record:
+        return {**record, "messages": with_texts(record["messages"], over.clip(texts_of(record["messages"])))}
     if "conversations" not in record:
         inp, out = over.clip([record["input"], record["output"]])
         return {**record, "input": inp, "output": out}
@@ -296,8 +323,9 @@ def _clip_sft(record: dict[str, Any], over: Overlong) -> dict[str, Any]:
 def encode_sft(raw: RawData, render: Renderer, seq_length: int, over: Overlong) -> Encoded:
     samples, kept = [], []
     for i, rec in enumerate(raw.records):
-        chat = "conversations" in rec
-        field_name, what = ("conversations", "the conversation") if chat else ("output", "input + output")
+        chat = "conversations" in rec or "messages" in rec
+        field_name, what = ("messages" if "messages" in rec else "conversations", "the conversation") if chat else (
+            "output", "input + output")
         if over.too_many_chars(_sft_texts(rec)):
             if over.policy != "truncate":
                 over.fit(i, None, field_name, what)
@@ -319,13 +347,17 @@ def _render(raw: RawData, i: int, field_name: str, fn):
         raise raw.error(i, field_name, str(exc)) from None
 
 
-def _prompt_response_sample(raw: RawData, i: int, render: Renderer, over: Overlong, prompt: str, response: str,
+def _prompt_response_sample(raw: RawData, i: int, render: Renderer, over: Overlong, prompt: Any, response: Any,
                             field_name: str) -> Sample | None:
+    """The sample of a prompt and response (strings or chat messages), fitted to seq_length per ``over``."""
     what = f"prompt + {field_name} with special tokens"
-    if over.too_many_chars([prompt, response]):
+    texts = texts_of(prompt) + texts_of(response)
+    if over.too_many_chars(texts):
         if over.policy != "truncate":
             return over.fit(i, None, field_name, what)
-        prompt, response = over.clip([prompt, response])
+        texts = over.clip(texts)
+        n = len(texts_of(prompt))
+        prompt, response = with_texts(prompt, texts[:n]), with_texts(response, texts[n:])
     return over.fit(i, _render(raw, i, field_name, lambda: render.prompt_response(prompt, response)), field_name, what)
 
 
@@ -355,7 +387,7 @@ def encode_preference(raw: RawData, render: Renderer, seq_length: int, over: Ove
         )  # [N]
     _require_some(raw, kept, over)
     return Encoded(
-        keys=[raw.records[i]["prompt"] for i in kept],
+        keys=[key_text(raw.records[i]["prompt"]) for i in kept],
         arrays=arrays,
         max_tokens=max(len(s[0]) for samples in sides.values() for s in samples),
         overlong=over.metrics(),
@@ -368,7 +400,7 @@ def encode_prompts(raw: RawData, render: Renderer, seq_length: int, over: Overlo
     string ``answer``, for the answer and EOS (a prompt is never truncated: ``overlong.prompts`` is error or drop)."""
     records, kept, longest = [], [], 0
     for i, rec in enumerate(raw.records):
-        if over.too_many_chars([rec["prompt"]]):
+        if over.too_many_chars(texts_of(rec["prompt"])):
             over.fit(i, None, "prompt", "the prompt")
             continue
         prompt_ids = _render(raw, i, "prompt", lambda r=rec: render.prompt(r["prompt"]))
@@ -382,7 +414,7 @@ def encode_prompts(raw: RawData, render: Renderer, seq_length: int, over: Overlo
         records.append({**rec, "answer": answer, "prompt_ids": prompt_ids})
         kept.append(i)
     _require_some(raw, kept, over)
-    return Encoded(keys=[raw.records[i]["prompt"] for i in kept], records=records, max_tokens=longest,
+    return Encoded(keys=[key_text(raw.records[i]["prompt"]) for i in kept], records=records, max_tokens=longest,
                    overlong=over.metrics())
 
 

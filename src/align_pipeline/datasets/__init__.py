@@ -6,6 +6,7 @@ _EXPORTS = {
     "CheckpointDataset": "checkpoint",
     "HFModelDataset": "checkpoint",
     "PromptsJsonlDataset": "data",
+    "RawDataset": "data",
     "RawJsonlDataset": "data",
     "ReferenceLogpsDataset": "data",
     "StoredVersions": "stored",

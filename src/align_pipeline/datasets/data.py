@@ -1,8 +1,9 @@
 """Kedro datasets of the data artifacts. Loading gives an :class:`~align_pipeline.data.formats.Artifact` (path,
 fingerprint, metadata) – never arrays: training nodes pass paths to their torchrun jobs.
 
-* :class:`RawJsonlDataset` – a raw jsonl file (read-only); ``load()`` -> Artifact(path, sha256[:16],
-  {"sha256", "source", "kind"}), so validation can name the file in its messages.
+* :class:`RawDataset` – raw data (read-only): a jsonl or parquet file, or a ``save_to_disk`` directory; ``load()``
+  -> Artifact(path, sha256[:16], {"sha256", "source", "kind", "format", "split"}), so validation can read it a batch
+  at a time and name the file in its messages. :class:`RawJsonlDataset`: the same, jsonl only.
 * :class:`TokenizerDirDataset` – ``save(TextTokenizer)`` writes the directory atomically; ``load()`` -> Artifact.
 * :class:`TokenizedNpzDataset` – ``save(ArrayBundle | dict of arrays)`` writes ``.npz`` + ``.meta.json``
   atomically; ``load()`` -> Artifact.
@@ -41,7 +42,6 @@ from align_pipeline.data.formats import (
     Artifact,
     RecordBundle,
     atomic_write_json,
-    file_sha256,
     load_artifact,
     save_jsonl,
     save_npz,
@@ -49,6 +49,7 @@ from align_pipeline.data.formats import (
     sidecar_path,
 )
 from align_pipeline.data.schemas import KINDS, display_path
+from align_pipeline.data.sources import FORMATS, source_sha256, storage_format
 from align_pipeline.data.staging import current_group
 from align_pipeline.data.tokenizer import META_FILE, TOKENIZER_FILE, TextTokenizer, read_tokenizer_meta
 
@@ -80,35 +81,56 @@ class _GroupWrite:
         staging.stage(pairs, lambda: write(staged), last=last)
 
 
-class RawJsonlDataset(AbstractDataset[None, Artifact]):
-    """A raw jsonl file of ``kind`` (sft | preference | prompts). Read-only: ``save`` raises."""
+class RawDataset(AbstractDataset[None, Artifact]):
+    """Raw data (``kind``, optional: sft | preference | prompts | regression): a jsonl file, a parquet file or a directory
+    written by ``datasets.Dataset.save_to_disk`` (``format``: auto = by the path; ``split``: the split of a
+    ``DatasetDict`` directory). Read-only: ``save`` raises. ``load()`` gives an Artifact (path, sha256[:16],
+    ``{"sha256", "source", "kind", "format", "split"}``); data_prep reads the rows itself, a batch at a time
+    (:mod:`align_pipeline.data.sources`), and names the file in its messages."""
 
-    def __init__(self, filepath: str, kind: str, metadata: dict[str, Any] | None = None):
-        if kind not in KINDS:
-            raise DatasetError(f"RawJsonlDataset kind must be one of {KINDS}, got {kind!r}")
+    def __init__(self, filepath: str, kind: str | None = None, format: str = "auto", split: str | None = None,
+                 metadata: dict[str, Any] | None = None):
+        if kind is not None and kind not in KINDS:
+            raise DatasetError(f"{type(self).__name__} kind must be one of {KINDS}, got {kind!r}")
+        if format not in ("auto", *FORMATS):
+            raise DatasetError(f"{type(self).__name__} format must be auto or one of {FORMATS}, got {format!r}")
         self._filepath = Path(filepath)
         self._kind = kind
+        self._format = format
+        self._split = split
         self.metadata = metadata
 
     def load(self) -> Artifact:
         source = display_path(self._filepath)
-        if not self._filepath.is_file():
-            raise DatasetError(f"{source}: raw {self._kind} data file not found")
-        sha = file_sha256(self._filepath)
+        if not self._exists():
+            raise DatasetError(f"{source}: raw {self._kind or ''} data not found".replace("  ", " "))
+        fmt = storage_format(self._filepath, self._format)
+        sha = source_sha256(self._filepath, fmt)
         return Artifact(
             path=str(self._filepath.resolve()),
             fingerprint=short_hash(sha),
-            meta={"sha256": sha, "source": source, "kind": self._kind},
+            meta={"sha256": sha, "source": source, "kind": self._kind, "format": fmt, "split": self._split},
         )
 
     def save(self, data: None) -> None:
         raise DatasetError(f"{self._filepath} is raw input data and is never written by the pipeline")
 
     def _exists(self) -> bool:
-        return self._filepath.is_file()
+        return self._filepath.is_file() or self._filepath.is_dir()
 
     def _describe(self) -> dict[str, Any]:
-        return {"filepath": str(self._filepath), "kind": self._kind}
+        return {"filepath": str(self._filepath), "kind": self._kind, "format": self._format, "split": self._split}
+
+
+class RawJsonlDataset(RawDataset):
+    """A raw jsonl file of ``kind`` (the catalog type of earlier configurations: :class:`RawDataset` with
+    ``format: jsonl``)."""
+
+    def __init__(self, filepath: str, kind: str | None = None, metadata: dict[str, Any] | None = None):
+        super().__init__(filepath, kind, format="jsonl", metadata=metadata)
+
+    def _exists(self) -> bool:
+        return self._filepath.is_file()
 
 
 class TokenizerDirDataset(_GroupWrite, AbstractDataset[TextTokenizer, Artifact]):
@@ -216,5 +238,5 @@ class ReferenceLogpsDataset(AbstractDataset[Artifact, Artifact]):
         return {"filepath": str(self._filepath)}
 
 
-__all__ = ["PromptsJsonlDataset", "RawJsonlDataset", "ReferenceLogpsDataset", "TokenizedNpzDataset",
+__all__ = ["PromptsJsonlDataset", "RawDataset", "RawJsonlDataset", "ReferenceLogpsDataset", "TokenizedNpzDataset",
            "TokenizerDirDataset"]

@@ -239,7 +239,8 @@ def check_prompt_fields(parameters: dict[str, Any], pipeline, catalog) -> None:
 
     A file that is not there is left to the node that reads it."""
     from align_pipeline.data.formats import load_jsonl
-    from align_pipeline.data.schemas import display_path, read_raw_jsonl
+    from align_pipeline.data.schemas import display_path
+    from align_pipeline.data.sources import read_raw
     from align_pipeline.rewards.check import check_prompts, check_records, stage_reward_functions
 
     def current(name: str):
@@ -251,8 +252,10 @@ def check_prompt_fields(parameters: dict[str, Any], pipeline, catalog) -> None:
         if "raw_prompts" in node.inputs:
             stages = [s for name in node.inputs if (s := name.removeprefix("params:")) in SCORING_STAGES]
             if stages and (raw := current("raw_prompts")) is not None:
-                data = read_raw_jsonl(raw.path, "prompts", source=raw.meta.get("source"))
-                check_prompts(data.records, data.lines, data.source, {s: parameters.get(s) for s in stages})
+                layout = ((parameters.get("data_prep") or {}).get("layouts") or {}).get("prompts", "auto")
+                data = read_raw(raw, "prompts", layout, name="raw_prompts")
+                check_prompts(data.records, data.lines, data.source, {s: parameters.get(s) for s in stages},
+                              unit=data.unit)
             continue
         stage = STAGE_NODES.get(getattr(node.func, "__name__", ""), (None, None))[1]
         if stage not in SCORING_STAGES:

@@ -40,7 +40,8 @@ def _needed_by(terms: list[Term]) -> str:
     return f"the reward function{'s' if len(terms) > 1 else ''} {names} need{'' if len(terms) > 1 else 's'} it"
 
 
-def _check(records: list[dict[str, Any]], lines: list[int], source: str, functions: list[RewardFunctions]) -> None:
+def _check(records: list[dict[str, Any]], lines: list[int], source: str, functions: list[RewardFunctions],
+           unit: str = "line") -> None:
     needs: dict[str, list[Term]] = {}
     for rf in functions:
         for name, terms in rf.requirements().items():
@@ -51,15 +52,16 @@ def _check(records: list[dict[str, Any]], lines: list[int], source: str, functio
         for name, terms in needs.items():
             if record.get(name) is None:
                 state = "null" if name in record else "missing"
-                raise make_error(source, line, name, f"{state}, but {_needed_by(terms)}")
+                raise make_error(source, line, name, f"{state}, but {_needed_by(terms)}", unit)
 
 
 def check_prompts(records: list[dict[str, Any]], lines: list[int], source: str,
-                  stage_params: dict[str, dict[str, Any]]) -> None:
+                  stage_params: dict[str, dict[str, Any]], unit: str = "line") -> None:
     """Refuse the first raw prompt record that lacks (or has null for) a field that a configured reward function
     needs (its ``required_fields``).
 
-    ``records`` / ``lines``: the raw prompt file's records and their 1-based line numbers; ``source``: the file as
+    ``records`` / ``lines``: the raw prompt file's records and their 1-based line (``unit``: or row) numbers;
+    ``source``: the file as
     shown in messages; ``stage_params``: ``{"ppo": params_ppo, "reinforce": ..., "evaluation": ...}``, the raw
     parameter dicts of the stages that will score these prompts (any subset). Raises
     :class:`~align_pipeline.data.schemas.DataValidationError` naming file, line, field, and the function and
@@ -67,7 +69,7 @@ def check_prompts(records: list[dict[str, Any]], lines: list[int], source: str,
     missing, but the reward function align_pipeline.rewards:math_answer (params:ppo.reward.functions[0]) needs
     it``; a bad function spec raises :class:`~align_pipeline.config.ConfigError` naming its key.
     """
-    _check(records, lines, source, stage_reward_functions(stage_params))
+    _check(records, lines, source, stage_reward_functions(stage_params), unit)
 
 
 def check_records(records: list[dict[str, Any]], source: str, functions: RewardFunctions) -> None:

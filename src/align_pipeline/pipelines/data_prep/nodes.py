@@ -15,33 +15,36 @@ from align_pipeline.config.base import from_dict
 from align_pipeline.config.common import ModelConfig
 from align_pipeline.data.dubious import find_dubious, handle_dubious
 from align_pipeline.data.formats import ArrayBundle, Artifact, RecordBundle
-from align_pipeline.data.schemas import RawData, read_raw_jsonl, record_texts
+from align_pipeline.data.schemas import RawData, record_texts
+from align_pipeline.data.sources import read_raw
 from align_pipeline.data.tokenize import DataPrepConfig, encode, split_encoded
 from align_pipeline.data.tokenizer import TextTokenizer, build_tokenizer, load_tokenizer
 from align_pipeline.rewards.check import check_prompts
 
 
 def validate_raw_data(
-    raw_sft: Artifact, raw_preference: Artifact, raw_prompts: Artifact, params: dict[str, Any],
+    raw_sft: Any, raw_preference: Any, raw_prompts: Any, params: dict[str, Any],
     ppo: dict[str, Any], reinforce: dict[str, Any], evaluation: dict[str, Any],
 ) -> tuple[dict[str, RawData], dict[str, int]]:
-    """Schema-check the three raw files (``DataValidationError`` naming file, line and field), check that every prompt
+    """Schema-check the three raw inputs (``DataValidationError`` naming file, line or row, and field), each a raw
+    file or directory (:class:`~align_pipeline.datasets.RawDataset`) or a table from the catalog, in the layout
+    ``data_prep.layouts`` names or its first record's (:mod:`align_pipeline.data.layouts`); check that every prompt
     has the fields the configured reward functions of ppo / reinforce / evaluation need (so a missing answer fails
     here, not mid-rollout), then find dubious records and warn about / refuse them per ``data_prep.dubious``.
     Returns the data and the dubious counts."""
     config = from_dict(DataPrepConfig, params, "data_prep")  # fail on bad parameters before reading data
-    artifacts = {"sft": raw_sft, "preference": raw_preference, "prompts": raw_prompts}
-    raw = {kind: read_raw_jsonl(a.path, kind, source=a.meta.get("source")) for kind, a in artifacts.items()
-           if a is not None}
+    inputs = {"sft": raw_sft, "preference": raw_preference, "prompts": raw_prompts}
+    raw = {kind: read_raw(data, kind, getattr(config.layouts, kind), name=f"raw_{kind}")
+           for kind, data in inputs.items() if data is not None}
     prompts = raw["prompts"]
     check_prompts(prompts.records, prompts.lines, prompts.source,
-                  {"ppo": ppo, "reinforce": reinforce, "evaluation": evaluation})
+                  {"ppo": ppo, "reinforce": reinforce, "evaluation": evaluation}, unit=prompts.unit)
     dubious = [find_dubious(data) for data in raw.values()]
     handle_dubious(dubious, config.dubious)
     return raw, {key: n for d in dubious for key, n in d.metrics().items()}
 
 
-def validate_raw_prompts(raw_prompts: Artifact, params: dict[str, Any], ppo: dict[str, Any],
+def validate_raw_prompts(raw_prompts: Any, params: dict[str, Any], ppo: dict[str, Any],
                          reinforce: dict[str, Any], evaluation: dict[str, Any]
                          ) -> tuple[dict[str, RawData], dict[str, int]]:
     """:func:`validate_raw_data` of the prompts alone (``data_prep_prompts``: RL from a model, no SFT or preference
@@ -134,7 +137,7 @@ def _warn_overlong(raw: RawData, counts: dict[str, int], config: DataPrepConfig,
 
 
 def tokenize_regression(
-    raw_regression: Artifact, tokenizer: Artifact, params: dict[str, Any], model: dict[str, Any]
+    raw_regression: Any, tokenizer: Artifact, params: dict[str, Any], model: dict[str, Any]
 ) -> tuple[ArrayBundle, ArrayBundle, dict[str, Any]]:
     """SteerLM-style attribute data (``{"prompt", "response", "labels": {attribute: number | null}}``) tokenized with
     data_prep's tokenizer (the one the policy and its reward model use) and split like the other kinds: the
@@ -142,7 +145,7 @@ def tokenize_regression(
     the sidecar). Same checks as data_prep: schema, dubious records, lengths (``data_prep.overlong.regression``)."""
     config = from_dict(DataPrepConfig, params, "data_prep")
     seq_length = from_dict(ModelConfig, model, "model").seq_length
-    raw = read_raw_jsonl(raw_regression.path, "regression", source=raw_regression.meta.get("source"))
+    raw = read_raw(raw_regression, "regression", config.layouts.regression, name="raw_regression")
     dubious = find_dubious(raw)
     handle_dubious([dubious], config.dubious)
     tok = load_tokenizer(tokenizer.path)

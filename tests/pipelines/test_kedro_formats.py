@@ -1,0 +1,151 @@
+"""Data as TRL / OpenAI / veRL users hold it, through the Kedro catalog, into data_prep and on into sft, dpo and
+reinforce (a real KedroSession on a temp project with a real sqlite MLflow store):
+
+* SFT: OpenAI messages with tool calls and a record-level ``tools`` list, in a parquet file (``RawDataset``);
+* preference: TRL's explicit-prompt messages, in a ``datasets`` ``save_to_disk`` directory (``RawDataset``), then
+  TRL's implicit-prompt form read by kedro-datasets' own ``pandas.ParquetDataset``;
+* prompts: veRL's parquet layout (``reward_model.ground_truth``, ``data_source``, ``extra_info``), scored by a reward
+  function that reads ``extra_info``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+from chat_tokenizers import make_chat_tokenizer_dir
+from projects import copy_project, enter_project, run_kedro
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are a helpful assistant."
+TINY = {"training": {"train_steps": 2, "global_batch_size": 8, "micro_batch_size": 4, "log_interval": 1,
+                     "eval_interval": 0, "eval_samples": 8, "save_interval": 0}}
+TINY_RL = {"rl": {"iterations": 1, "prompts_per_iteration": 4, "epochs": 1, "minibatches": 1, "micro_batch_size": 4,
+                  "log_interval": 1, "eval_interval": 0, "eval_prompts": 4, "save_interval": 0},
+           "generation": {"max_new_tokens": 8, "samples_per_prompt": 2},
+           "reward": {"reward_model_weight": 0.0, "functions": [{"name": "formats_reward:by_source", "weight": 1.0}]}}
+REWARD_MODULE = '''
+def by_source(prompt, response, record):
+    """1 when the response holds the veRL ground truth; the record's extra_info and data_source must arrive."""
+    assert isinstance(prompt, list) and prompt[-1]["role"] == "user", prompt
+    assert record["data_source"] == "demo/add" and record["extra_info"]["index"] >= 0, record
+    return float(record["reward_model"]["ground_truth"] in response)
+
+
+by_source.required_fields = ("answer", "extra_info")
+'''
+
+
+def _calls(a: int, b: int) -> list[dict]:
+    call = {"type": "function", "id": "c1",
+            "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": str(a + b)},
+            {"role": "assistant", "content": f"The answer is {a + b}."}]
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+def _write(raw: Path) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(0)
+    pairs = [(rng.randint(10, 60), rng.randint(1, 9)) for _ in range(96)]
+    sft = [{"messages": _calls(a, b), "tools": TOOLS} if i % 2 else
+           {"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                         {"role": "assistant", "content": f"The answer is {a + b}."}]}
+           for i, (a, b) in enumerate(pairs)]
+    # parquet needs one schema: the record-level tools column is null where a record has none
+    pq.write_table(pa.Table.from_pylist([{**r, "tools": r.get("tools")} for r in sft]), raw / "sft.parquet")
+    explicit = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                 "chosen": [{"role": "assistant", "content": f"The answer is {a + b}."}],
+                 "rejected": [{"role": "assistant", "content": f"The answer is {a + b + 1}."}],
+                 "score_chosen": 8.0, "score_rejected": 3.0} for a, b in pairs]
+    datasets.Dataset.from_list(explicit).save_to_disk(str(raw / "preference_hf"))
+    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in explicit]
+    pq.write_table(pa.Table.from_pylist(implicit), raw / "preference_implicit.parquet")
+    verl = [{"data_source": "demo/add", "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+             "extra_info": {"split": "train", "index": i}} for i, (a, b) in enumerate(pairs[:32])]
+    pq.write_table(pa.Table.from_pylist(verl), raw / "prompts.parquet")
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    root = copy_project(tmp_path / "proj", raw=False)
+    raw = root / "data" / "01_raw"
+    raw.mkdir(parents=True)
+    _write(raw)
+    (root / "formats_reward.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(root))
+    tokenizer = make_chat_tokenizer_dir(root / "chat_tokenizer", "chatml_tools")
+    catalog = {
+        "raw_sft": {"type": "align_pipeline.datasets.RawDataset", "filepath": "data/01_raw/sft.parquet",
+                    "kind": "sft"},
+        "raw_preference": {"type": "align_pipeline.datasets.RawDataset", "filepath": "data/01_raw/preference_hf",
+                           "kind": "preference"},
+        "raw_prompts": {"type": "align_pipeline.datasets.RawDataset", "filepath": "data/01_raw/prompts.parquet",
+                        "kind": "prompts"},
+    }
+    (root / "conf" / "test" / "catalog_formats.yml").write_text(yaml.safe_dump(catalog))
+    params = {
+        "model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "num_query_groups": 1,
+                  "ffn_hidden_size": 64, "seq_length": 256},
+        "data_prep": {"tokenizer": {"hf_model_dir": str(tokenizer)}, "val_fraction": 0.1,
+                      "prompts_val_fraction": 0.25},
+        "sft": TINY, "dpo": TINY, "reinforce": TINY_RL,
+    }
+    (root / "conf" / "test" / "parameters_formats.yml").write_text(yaml.safe_dump(params))
+    return enter_project(monkeypatch, root, "test-formats")
+
+
+def test_trl_openai_verl_data_through_the_catalog_into_sft_dpo_reinforce(project):
+    from align_pipeline.data.formats import checkpoint_meta, load_jsonl
+    from align_pipeline.data.store import load_rows
+    from align_pipeline.data.tokenizer import load_tokenizer
+
+    outputs = run_kedro(project, "data_prep", "sft", "dpo", "reinforce")
+    data = project / "data" / "05_model_input"
+    tok = load_tokenizer(project / "data" / "03_primary" / "tokenizer")
+    sft = load_rows(data / "sft_train.npz")
+    texts = [tok.decode(sft["input_ids"][i], skip_special_tokens=False) for i in range(len(sft["input_ids"]))]
+    with_tools = [i for i, t in enumerate(texts) if "# Tools" in t]
+    assert with_tools and len(with_tools) < len(texts)  # the tools block only where the record had tools
+    i = with_tools[0]
+    supervised = tok.decode(sft["labels"][i][sft["loss_mask"][i] == 1], skip_special_tokens=False)
+    assert supervised.startswith('<tool_call>{"name": "add", "arguments": {"a": ')
+    assert supervised.count("<|im_end|>") == 2 and "What is" not in supervised and "# Tools" not in supervised
+
+    pref = load_rows(data / "pref_train.npz")
+    chosen = tok.decode(pref["chosen_labels"][0][pref["chosen_loss_mask"][0] == 1], skip_special_tokens=False)
+    assert chosen.startswith("The answer is ") and chosen.endswith("<|im_end|>")
+    assert set(pref["chosen_reward"].tolist()) == {8.0}
+
+    prompts = load_jsonl(data / "prompts_train.jsonl")
+    assert all(p["answer"] == p["reward_model"]["ground_truth"] and p["data_source"] == "demo/add" for p in prompts)
+    metrics = outputs["data_prep_metrics"].load()
+    assert metrics["prompts_train_samples"] + metrics["prompts_val_samples"] == 32
+    for stage in ("sft", "dpo", "reinforce"):
+        (version,) = sorted((project / "data" / "06_models" / f"{stage}_policy").iterdir())
+        assert checkpoint_meta(version / f"{stage}_policy")["stage"] == stage
+    assert outputs["reinforce_metrics"].load()["iterations"] == 1
+
+    # the same preference pairs in TRL's implicit-prompt form, read by kedro-datasets' pandas.ParquetDataset
+    catalog = yaml.safe_load((project / "conf" / "test" / "catalog_formats.yml").read_text())
+    catalog["raw_preference"] = {"type": "pandas.ParquetDataset", "filepath": "data/01_raw/preference_implicit.parquet"}
+    (project / "conf" / "test" / "catalog_formats.yml").write_text(yaml.safe_dump(catalog))
+    before = (data / "pref_train.npz").read_bytes()
+    run_kedro(project, "data_prep")
+    again = load_rows(data / "pref_train.npz")
+    for key in ("chosen_input_ids", "chosen_loss_mask", "rejected_input_ids", "rejected_loss_mask"):
+        assert (again[key] == pref[key]).all(), key  # same pairs, same tokens and masks (no scores this time)
+    assert before != (data / "pref_train.npz").read_bytes()
