@@ -193,23 +193,26 @@ def _report(summary: dict, checkpoint: str, hf_dir: str, tol: float | None, as_j
 
 
 def import_command(argv: list[str]) -> int:
-    """``import``: an HF model directory -> a model checkpoint (see :func:`align_pipeline.launch.model_jobs.import_hf`)."""
+    """``import``: an HF model directory or a NeMo ``.nemo`` -> a model checkpoint (see
+    :func:`align_pipeline.launch.model_jobs.import_hf` and :mod:`align_pipeline.model.nemo`)."""
     import argparse
+    import tempfile
     import time
 
     parser = argparse.ArgumentParser(prog="align-pipeline import",
-                                     description="Convert a Hugging Face Llama / Qwen2 / Qwen3 / Mistral directory "
-                                     "into a model checkpoint any stage can start from (init_from), written at TP x "
-                                     "PP by a torchrun job.")
-    parser.add_argument("hf_dir", help="HF model directory (config.json + safetensors or pytorch_model.bin)")
+                                     description="Convert a Hugging Face Llama / Qwen2 / Qwen3 / Mistral directory, "
+                                     "or a NeMo 1.x Megatron GPT .nemo (NeMo-Aligner), into a model checkpoint any "
+                                     "stage can start from (init_from), written at TP x PP by a torchrun job.")
+    parser.add_argument("hf_dir", help="HF model directory (config.json + safetensors or pytorch_model.bin), or a "
+                        ".nemo archive (or its unpacked directory)")
     parser.add_argument("checkpoint", help="output checkpoint directory (must not exist)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the conversion job")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the conversion job")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="training length recorded in the checkpoint (default: the model's context, <= 4096)")
     parser.add_argument("--check", action="store_true",
-                        help="run the checkpoint (Megatron) and the HF model (transformers) on the same fixed tokens, "
-                        "print max |dlogit| and exit 1 above --tol")
+                        help="run the checkpoint (Megatron) and the HF model (transformers; for a .nemo, its HF "
+                        "conversion) on the same fixed tokens, print max |dlogit| and exit 1 above --tol")
     parser.add_argument("--tol", type=float, default=1e-4, help="--check tolerance (fp32)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
@@ -218,16 +221,28 @@ def import_command(argv: list[str]) -> int:
     from align_pipeline.launch.model_jobs import import_hf
     from align_pipeline.launch.torchrun import LaunchError
     from align_pipeline.model.hf import HFConversionError
+    from align_pipeline.model.nemo import convert, is_nemo
 
     t0 = time.perf_counter()
-    try:
-        result = import_hf(args.hf_dir, args.checkpoint, tp=args.tp, pp=args.pp, seq_length=args.seq_length)
-    except (UserError, HFConversionError, FileNotFoundError, LaunchError) as exc:
-        print(f"align-pipeline import: {exc}", file=sys.stderr)
-        return 2
-    summary = {"out_dir": result["out"], "family": result["model"]["hf_family"], "vocab_size": result["vocab_size"],
-               "tp": args.tp, "pp": args.pp, "seconds": round(time.perf_counter() - t0, 2)}
-    return _report(summary, args.checkpoint, args.hf_dir, args.tol if args.check else None, args.json)
+    with tempfile.TemporaryDirectory(prefix="align-nemo-hf-") as scratch:
+        try:
+            hf_dir, nemo = args.hf_dir, None
+            if is_nemo(args.hf_dir):
+                nemo = convert(args.hf_dir, Path(scratch) / "hf")
+                hf_dir = nemo["hf_dir"]
+            result = import_hf(hf_dir, args.checkpoint, tp=args.tp, pp=args.pp, seq_length=args.seq_length,
+                               source=str(Path(args.hf_dir).resolve()) if nemo else None)
+        except (UserError, HFConversionError, FileNotFoundError, LaunchError) as exc:
+            print(f"align-pipeline import: {exc}", file=sys.stderr)
+            return 2
+        summary = {"out_dir": result["out"], "family": result["model"]["hf_family"],
+                   "vocab_size": result["vocab_size"], "tp": args.tp, "pp": args.pp,
+                   "seconds": round(time.perf_counter() - t0, 2)}
+        if nemo:
+            summary["nemo"] = str(Path(args.hf_dir).resolve())
+            if nemo["tokenizer_note"]:
+                summary["tokenizer"] = nemo["tokenizer_note"]
+        return _report(summary, args.checkpoint, hf_dir, args.tol if args.check else None, args.json)
 
 
 def mlflow_log_command(argv: list[str]) -> int:

@@ -173,8 +173,9 @@ def hf_tokenizer_size(directory: str, key: str) -> tuple[int, str]:
     """(tokens, name) of the tokenizer data_prep loads from the HF directory ``directory`` (``key``): its size with
     the added tokens, as data_prep and the job count it. Not loadable: a :class:`ConfigError` naming ``key``."""
     from align_pipeline.data.tokenizer import load_hf_tokenizer
+    from align_pipeline.model.nemo import is_nemo
 
-    if not Path(directory).is_dir():
+    if not Path(directory).is_dir() and not is_nemo(directory):
         raise ConfigError(
             f"{key}={directory!r}: no such directory (a Hugging Face model directory with tokenizer files)"
         )

@@ -69,11 +69,13 @@ def check_parity(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, work_
 
 
 def import_hf(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike, tp: int = 1, pp: int = 1,
-              seq_length: int | None = None, work_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+              seq_length: int | None = None, work_dir: str | os.PathLike | None = None,
+              source: str | None = None) -> dict[str, Any]:
     """Convert the HF model in ``hf_dir`` into a model checkpoint at ``checkpoint`` (must not exist), written by a
     TP x PP torchrun job (gloo on CPU, NCCL on GPUs). ``seq_length``: the training length recorded in the
     checkpoint (default: the model's context, at most 4096). Returns the job's summary. The job runs in ``work_dir``
     (default: a temporary directory, removed after a success and kept after a failure, whose error names its logs).
+    ``source``: what ``hf_dir`` was converted from (a ``.nemo``), recorded as the checkpoint's parent.
     """
     from align_pipeline.model.hf import HFConversionError, model_config_from_hf, read_hf_config
 
@@ -83,7 +85,7 @@ def import_hf(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike, tp: int 
     context = read_hf_config(hf_dir).get("max_position_embeddings") or 4096
     seq_length = seq_length or min(int(context), 4096)
     model_config_from_hf(hf_dir, ModelConfig(seq_length=seq_length))  # refuse unsupported models before launching
-    config = {"hf_dir": str(hf_dir), "out": str(checkpoint), "seq_length": seq_length,
+    config = {"hf_dir": str(hf_dir), "out": str(checkpoint), "seq_length": seq_length, "source": source,
               "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}}
     launch = LaunchConfig(nproc_per_node=tp * pp)
     if work_dir:

@@ -41,11 +41,18 @@ def resolve(init_from: str | None, model: ModelConfig, tokenizer_vocab_size: int
     * a checkpoint directory (has meta.json): the checkpoint's own architecture and vocab; its weights (a LoRA
       artifact of adapters alone: its base's weights with the adapters merged in).
     * an HF model directory (has config.json): architecture converted from the HF config; its weights.
+    * a NeMo 1.x ``.nemo`` (:mod:`align_pipeline.model.nemo`): its HF conversion, as above.
     """
     if init_from is None:
         vocab = model.vocab_size or tokenizer_vocab_size
         return ModelSource(model, vocab, None, {"kind": "random"})
     path = Path(init_from)
+    from align_pipeline.model import nemo
+
+    if nemo.is_nemo(path):  # a NeMo 1.x .nemo: its HF conversion (made once, cached by content)
+        source = resolve(str(nemo.hf_dir_for(path)), model, tokenizer_vocab_size)
+        return dataclasses.replace(source, parent={"kind": "nemo", "path": str(path.resolve()),
+                                                   "hf": source.parent["path"]})
     if checkpoint.is_checkpoint(path):
         meta = checkpoint.read_meta(path)
         ckpt_model = from_dict(ModelConfig, meta["model"])

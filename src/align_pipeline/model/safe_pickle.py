@@ -52,6 +52,9 @@ METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset({
     ("torch.distributed.checkpoint.planner", "WriteItemType"),
     ("torch.distributed.checkpoint.planner", "TensorWriteData"),
     ("torch", "Size"),
+    # torch's own single-process writer records the checkpoint's path (StorageMeta.checkpoint_id): a path object
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
     ("torch.serialization", "_get_layout"),  # torch.strided & co, looked up by name among torch's layouts
 })
 """(module, name) of every class torch's checkpoint metadata is built from, as recorded by :class:`MetadataUnpickler`

@@ -37,7 +37,7 @@ def main() -> None:
         "num_outputs": 1,
         "vocab_size": source.vocab_size,
         "tokenizer": {"path": str(hf_dir)} if has_tokenizer else None,
-        "lineage": {"parent": source.parent},
+        "lineage": {"parent": {"kind": "nemo", "path": cfg["source"]} if cfg.get("source") else source.parent},
         "import": {"tensor_model_parallel_size": dist.tp_size, "pipeline_model_parallel_size": dist.pp_size},
     }
     checkpoint.save_model(cfg["out"], model, meta)
