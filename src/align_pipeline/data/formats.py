@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import tempfile
@@ -163,8 +162,6 @@ def sidecar_path(path: PathLike) -> Path:
 def save_npz(path: PathLike, arrays: dict[str, np.ndarray], meta: dict[str, Any] | None = None) -> Artifact:
     """Write ``arrays`` to ``path`` (uncompressed npz) and its sidecar, both atomically; return the artifact."""
     fingerprint = arrays_fingerprint(arrays)
-    buf = io.BytesIO()
-    np.savez(buf, **{k: np.ascontiguousarray(v) for k, v in arrays.items()})
     full_meta = {
         **(meta or {}),
         "format": "npz",
@@ -172,7 +169,8 @@ def save_npz(path: PathLike, arrays: dict[str, np.ndarray], meta: dict[str, Any]
         "fingerprint": fingerprint,
         "arrays": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in sorted(arrays.items())},
     }
-    atomic_write_bytes(path, buf.getvalue())
+    with atomic_open(path, "wb") as f:  # straight into the file: no second copy of the arrays in memory
+        np.savez(f, **{k: np.ascontiguousarray(v) for k, v in arrays.items()})
     atomic_write_json(sidecar_path(path), full_meta)
     return Artifact(path=os.path.abspath(path), fingerprint=fingerprint, meta=full_meta)
 

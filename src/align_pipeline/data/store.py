@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -37,13 +38,41 @@ RAGGED_KEYS = ("tokens", "response", "offsets")
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def ragged(samples: list[tuple[list[int], list[bool]]], prefix: str = "") -> dict[str, np.ndarray]:
+class RaggedBuilder:
+    """Samples appended one at a time into growing int32 / uint8 buffers (5 bytes a token; a list of Python ints
+    takes ~40): a file's ragged arrays built without holding its samples as lists."""
+
+    def __init__(self) -> None:
+        self.tokens, self.response, self.offsets = array("i"), array("B"), array("q", [0])
+        self.longest = 0
+
+    def append(self, sample: tuple[Any, Any]) -> None:
+        ids, is_response = sample
+        self.tokens.extend(ids)
+        self.response.extend(is_response)
+        self.offsets.append(len(self.tokens))
+        self.longest = max(self.longest, len(ids))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def arrays(self, prefix: str = "") -> dict[str, np.ndarray]:
+        """``{p}tokens``, ``{p}response``, ``{p}offsets`` (views of the buffers, no copy)."""
+        return {f"{prefix}tokens": np.frombuffer(self.tokens, dtype=np.int32),
+                f"{prefix}response": np.frombuffer(self.response, dtype=np.uint8),
+                f"{prefix}offsets": np.frombuffer(self.offsets, dtype=np.int64)}
+
+
+def ragged(samples: list[tuple[Any, Any]], prefix: str = "") -> dict[str, np.ndarray]:
     """``[(ids, is_response), ...]`` -> ``{p}tokens``, ``{p}response``, ``{p}offsets``."""
     lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int64)
     offsets = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    tokens = np.fromiter((t for ids, _ in samples for t in ids), dtype=np.int32, count=int(offsets[-1]))
-    response = np.fromiter((r for _, resp in samples for r in resp), dtype=np.uint8, count=int(offsets[-1]))
+    tokens = np.zeros(int(offsets[-1]), dtype=np.int32)
+    response = np.zeros(int(offsets[-1]), dtype=np.uint8)
+    for (ids, resp), start, end in zip(samples, offsets[:-1], offsets[1:]):
+        tokens[start:end] = ids
+        response[start:end] = resp
     return {f"{prefix}tokens": tokens, f"{prefix}response": response, f"{prefix}offsets": offsets}
 
 
@@ -60,11 +89,14 @@ def select(arrays: Mapping[str, np.ndarray], idx: Iterable[int]) -> dict[str, np
     for p in groups(arrays):
         offsets = np.asarray(arrays[f"{p}offsets"])
         starts, ends = offsets[idx], offsets[idx + 1]
-        take = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]) if len(idx) else np.zeros(0, int)
         new_offsets = np.zeros(len(idx) + 1, dtype=np.int64)
         np.cumsum(ends - starts, out=new_offsets[1:])
-        out[f"{p}tokens"] = np.asarray(arrays[f"{p}tokens"])[take]
-        out[f"{p}response"] = np.asarray(arrays[f"{p}response"])[take]
+        for name in ("tokens", "response"):  # sample by sample: no index array of every token
+            source = np.asarray(arrays[f"{p}{name}"])
+            target = np.empty(int(new_offsets[-1]), dtype=source.dtype)
+            for s, e, at in zip(starts.tolist(), ends.tolist(), new_offsets[:-1].tolist()):
+                target[at : at + e - s] = source[s:e]
+            out[f"{p}{name}"] = target
         out[f"{p}offsets"] = new_offsets
         ragged_keys |= {f"{p}{k}" for k in RAGGED_KEYS}
     for k, v in arrays.items():

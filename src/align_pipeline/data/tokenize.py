@@ -48,7 +48,7 @@ from .chat import ChatTemplate, ChatTemplateError, completion_messages, prompt_m
 from .formats import ArrayBundle, RecordBundle
 from .layouts import key_text, texts_of, with_texts
 from .schemas import RawData, message_segments, sft_prompt_text, sft_segments
-from .store import ragged, select
+from .store import RaggedBuilder, select
 from .tokenizer import TextTokenizer, TokenizerConfig
 
 SPLITS = ("train", "val")
@@ -321,7 +321,7 @@ def _clip_sft(record: dict[str, Any], over: Overlong) -> dict[str, Any]:
 
 
 def encode_sft(raw: RawData, render: Renderer, seq_length: int, over: Overlong) -> Encoded:
-    samples, kept = [], []
+    samples, kept = RaggedBuilder(), []
     for i, rec in enumerate(raw.records):
         chat = "conversations" in rec or "messages" in rec
         field_name, what = ("messages" if "messages" in rec else "conversations", "the conversation") if chat else (
@@ -362,7 +362,7 @@ def _prompt_response_sample(raw: RawData, i: int, render: Renderer, over: Overlo
 
 
 def encode_preference(raw: RawData, render: Renderer, seq_length: int, over: Overlong) -> Encoded:
-    sides: dict[str, list] = {"chosen": [], "rejected": []}
+    sides = {"chosen": RaggedBuilder(), "rejected": RaggedBuilder()}
     kept = []
     for i, rec in enumerate(raw.records):
         pair = {}
@@ -381,7 +381,7 @@ def encode_preference(raw: RawData, render: Renderer, seq_length: int, over: Ove
     over.truncated = sorted(set(over.truncated) - set(over.dropped))
     arrays: dict[str, np.ndarray] = {}
     for side, samples in sides.items():
-        arrays.update(ragged(samples, prefix=f"{side}_"))
+        arrays.update(samples.arrays(prefix=f"{side}_"))
         arrays[f"{side}_reward"] = np.array(
             [float(raw.records[i].get(f"{side}_reward", np.nan)) for i in kept], dtype=np.float32
         )  # [N]
@@ -389,7 +389,7 @@ def encode_preference(raw: RawData, render: Renderer, seq_length: int, over: Ove
     return Encoded(
         keys=[key_text(raw.records[i]["prompt"]) for i in kept],
         arrays=arrays,
-        max_tokens=max(len(s[0]) for samples in sides.values() for s in samples),
+        max_tokens=max(samples.longest for samples in sides.values()),
         overlong=over.metrics(),
     )
 
@@ -421,7 +421,7 @@ def encode_prompts(raw: RawData, render: Renderer, seq_length: int, over: Overlo
 def encode_regression(raw: RawData, render: Renderer, seq_length: int, over: Overlong) -> Encoded:
     """SteerLM-style records -> SFT-like arrays (loss_mask marks the response) + ``reward_labels`` [N, A] float32
     (NaN = missing label), attributes in sorted order (``Encoded.attributes``, copied into the sidecar meta)."""
-    samples, kept = [], []
+    samples, kept = RaggedBuilder(), []
     for i, rec in enumerate(raw.records):
         sample = _prompt_response_sample(raw, i, render, over, rec["prompt"], rec["response"], "response")
         if sample is not None:
@@ -446,11 +446,10 @@ def _require_some(raw: RawData, kept: list[int], over: Overlong) -> None:
                                  f"(data_prep.overlong.{raw.kind} = {over.policy}): nothing is left")
 
 
-def _arrays_encoded(raw: RawData, kept: list[int], keys: list[str], samples: list[Sample], seq_length: int,
+def _arrays_encoded(raw: RawData, kept: list[int], keys: list[str], samples: RaggedBuilder, seq_length: int,
                     tok: TextTokenizer, over: Overlong) -> Encoded:
     _require_some(raw, kept, over)
-    return Encoded(keys=keys, arrays=ragged(samples), max_tokens=max(len(s[0]) for s in samples),
-                   overlong=over.metrics())
+    return Encoded(keys=keys, arrays=samples.arrays(), max_tokens=samples.longest, overlong=over.metrics())
 
 
 ENCODERS = {
