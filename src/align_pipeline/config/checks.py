@@ -156,14 +156,7 @@ def start_arch(path: str | Path, base: ModelConfig, key: str) -> Arch | None:
     job's ``model.init.resolve`` would refuse after data_prep has run: no such directory, neither a checkpoint of ours
     (``meta.json``) nor an HF directory (``config.json``), a ``config.json`` that is not JSON or whose ``model_type``
     is not one of :data:`HF_MODEL_TYPES`. None when the sizes cannot be read (the import names the missing field)."""
-    from align_pipeline.model.nemo import NemoConversionError, hf_dir_for, is_nemo
-
     path = Path(path)
-    if is_nemo(path):  # converted once here (and cached), so the job's ranks reuse it
-        try:
-            path = hf_dir_for(path)
-        except NemoConversionError as e:
-            raise ConfigError(f"{key}: {e}") from None
     if not path.is_dir():
         raise ConfigError(
             f"{key}={str(path)!r}: no such directory (a checkpoint of this project, a Hugging Face model directory "

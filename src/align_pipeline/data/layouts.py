@@ -270,8 +270,6 @@ def _explicit(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _implicit(obj: dict[str, Any]) -> dict[str, Any]:
-    from .schemas import common_prompt_length
-
     _require(obj, "chosen", "rejected")
     chosen, rejected = obj["chosen"], obj["rejected"]
     if isinstance(chosen, str) or isinstance(rejected, str):
@@ -321,6 +319,20 @@ def _prompt_record(obj: dict[str, Any], layout: str) -> dict[str, Any]:
     if record.get("answer") is None and record.get("ground_truth") is not None:
         record["answer"] = record["ground_truth"]
     return record
+
+
+def common_prompt_length(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, cut back to just after a whitespace character (so
+    no word is split between prompt and response); 0 when there is none."""
+    n = 0
+    limit = min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    if n == len(a) == len(b):
+        return 0  # identical texts: nothing tells a prompt from a response (flagged as chosen == rejected)
+    while n > 0 and not a[n - 1].isspace():
+        n -= 1
+    return n
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -373,5 +385,5 @@ def blank_response(value: str | list[dict[str, Any]]) -> bool:
                for m in value)
 
 
-__all__ = ["LAYOUTS", "VERBATIM", "LayoutError", "blank_response", "check_messages", "detect", "is_messages",
+__all__ = ["LAYOUTS", "VERBATIM", "LayoutError", "blank_response", "check_messages", "common_prompt_length", "detect", "is_messages",
            "key_text", "normalize", "normalize_tool_calls", "texts_of", "with_texts"]

@@ -39,7 +39,17 @@ from typing import Any, Literal
 
 from .errors import DataValidationError, display_path, make_error
 from .formats import bytes_sha256
-from .layouts import LAYOUTS, VERBATIM, LayoutError, detect, is_messages, key_text, normalize, texts_of
+from .layouts import (
+    LAYOUTS,
+    VERBATIM,
+    LayoutError,
+    common_prompt_length,
+    detect,
+    is_messages,
+    key_text,
+    normalize,
+    texts_of,
+)
 
 Kind = Literal["sft", "preference", "prompts"]
 KINDS: tuple[str, ...] = ("sft", "preference", "prompts", "regression")
@@ -361,20 +371,6 @@ def _pair_text_lines(data: RawData) -> None:
         records.append({"prompt": chosen[:cut], "chosen_response": chosen[cut:], "rejected_response": rejected[cut:]})
         lines.append(data.lines[i])
     data.records, data.lines = records, lines
-
-
-def common_prompt_length(a: str, b: str) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``, cut back to just after a whitespace character (so
-    no word is split between prompt and response); 0 when there is none."""
-    n = 0
-    limit = min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    if n == len(a) == len(b):
-        return 0  # identical texts: nothing tells a prompt from a response (flagged as chosen == rejected)
-    while n > 0 and not a[n - 1].isspace():
-        n -= 1
-    return n
 
 
 def read_raw_jsonl(path: str | os.PathLike, kind: str, source: str | None = None, layout: str = "auto") -> RawData:

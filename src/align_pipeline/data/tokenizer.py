@@ -458,11 +458,8 @@ def _load_backend(directory: Path) -> Tokenizer:
 
 
 def load_hf_tokenizer(directory: str | os.PathLike) -> TextTokenizer:
-    """The tokenizer of an HF model directory (no network), or of a NeMo ``.nemo`` (its HF conversion,
-    :mod:`align_pipeline.model.nemo`)."""
-    from align_pipeline.model.nemo import resolve_path
-
-    directory = resolve_path(directory)
+    """The tokenizer of an HF model directory (no network)."""
+    directory = Path(directory)
     if not directory.is_dir():
         raise ValueError(f"tokenizer directory {directory} does not exist")
     tok = _load_backend(directory)

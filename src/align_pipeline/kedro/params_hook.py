@@ -106,7 +106,8 @@ class _Architectures:
         init_from = self._section(stage).init_from
         if init_from is None:
             return [Arch(self.model)] if stage == "sft" else self.dataset("sft_policy")
-        arch = start_arch(init_from, self.model, f"params:{stage}.init_from")
+        key = f"params:{stage}.init_from"
+        arch = start_arch(str(nemo_resolved(init_from, key)), self.model, key)
         return [arch] if arch else []
 
     def dataset(self, name: str) -> list[Arch]:
@@ -169,13 +170,28 @@ def pipeline_tokenizer(parameters: dict[str, Any], pipeline, catalog=None) -> tu
         return None
 
 
+def nemo_resolved(path: str, key: str) -> Path:
+    """``path``, or for a NeMo ``.nemo`` its HF conversion (made once per content by a job; the stage's ranks then
+    find it cached). A ``.nemo`` that does not convert: a :class:`ConfigError` naming ``key`` and the reason."""
+    from align_pipeline.launch.model_jobs import nemo_hf_dir
+    from align_pipeline.launch.torchrun import LaunchError
+    from align_pipeline.model.nemo import is_nemo
+
+    if not is_nemo(path):
+        return Path(path)
+    try:
+        return nemo_hf_dir(path)
+    except (LaunchError, UserError) as e:
+        raise ConfigError(f"{key}={path}: {e}") from None
+
+
 def hf_tokenizer_size(directory: str, key: str) -> tuple[int, str]:
     """(tokens, name) of the tokenizer data_prep loads from the HF directory ``directory`` (``key``): its size with
     the added tokens, as data_prep and the job count it. Not loadable: a :class:`ConfigError` naming ``key``."""
     from align_pipeline.data.tokenizer import load_hf_tokenizer
-    from align_pipeline.model.nemo import is_nemo
 
-    if not Path(directory).is_dir() and not is_nemo(directory):
+    directory = str(nemo_resolved(directory, key))
+    if not Path(directory).is_dir():
         raise ConfigError(
             f"{key}={directory!r}: no such directory (a Hugging Face model directory with tokenizer files)"
         )

@@ -6,6 +6,7 @@ call to import, export, merge or run a model in a torchrun job. The model librar
     materialize(artifact, out, run_dir)            -> out         (train.jobs.merge)
     checkpoint_outputs(request, work_dir)          -> outputs     (train.jobs.logits)
     check_parity(checkpoint, hf_dir, work_dir)     -> max |Δ|     (train.jobs.logits + transformers here)
+    nemo_hf_dir(path)                              -> HF dir      (train.jobs.nemo_convert, once per content)
 
 Imports of torch and transformers happen inside the functions that compare in this process (``check_parity``), so
 a Kedro process importing this module stays free of them.
@@ -92,6 +93,21 @@ def import_hf(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike, tp: int 
         return run_torchrun("align_pipeline.train.jobs.import_hf", config, launch, Path(work_dir), name="import")
     with job_work_dir("align-import-") as work:
         return run_torchrun("align_pipeline.train.jobs.import_hf", config, launch, work / "job", name="import")
+
+
+def nemo_hf_dir(path: str | os.PathLike) -> Path:
+    """The HF conversion of a NeMo ``.nemo`` (:mod:`align_pipeline.model.nemo`): the cached one, or made by a
+    one-process job (this process imports no torch). What the Kedro side resolves ``init_from`` and
+    ``data_prep.tokenizer.hf_model_dir`` to; the jobs then find it in the cache."""
+    from align_pipeline.model.nemo import cache_target
+
+    target = cache_target(path)
+    if (target / "config.json").is_file():
+        return target
+    with job_work_dir("align-nemo-") as work:
+        result = run_torchrun("align_pipeline.train.jobs.nemo_convert", {"nemo": str(Path(path).resolve())}, ONE,
+                              work / "job", name=f"convert {Path(path).name}")
+    return Path(result["hf_dir"])
 
 
 @contextlib.contextmanager

@@ -40,7 +40,6 @@ with ``yaml.safe_load`` and every pickle through the restricted loaders.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -513,20 +512,25 @@ def resolve_path(path: str | os.PathLike) -> Path:
     return hf_dir_for(path) if is_nemo(path) else Path(path)
 
 
-def hf_dir_for(path: str | os.PathLike) -> Path:
-    """The HF directory of a ``.nemo`` (``init_from`` / ``hf_model_dir``): converted once per content (sha256 of the
-    archive, or of an unpacked directory's files) into :func:`cache_root`; concurrent callers (the ranks of a job)
-    wait on a file lock and reuse it."""
-    import fcntl
-
+def cache_target(path: str | os.PathLike) -> Path:
+    """Where the HF conversion of a ``.nemo`` is kept: :func:`cache_root` / ``<name>-<sha256 of its content>``."""
     from align_pipeline.data.sources import source_sha256
 
     path = Path(path).resolve()
-    digest = hashlib.sha256(f"{source_sha256(path, 'dir' if path.is_dir() else 'file')}".encode()).hexdigest()[:16]
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / f"{path.stem}-{digest}"
-    with open(root / f".{target.name}.lock", "w") as lock:
+    digest = source_sha256(path, "dir" if path.is_dir() else "file")[:16]
+    return cache_root() / f"{path.stem}-{digest}"
+
+
+def hf_dir_for(path: str | os.PathLike) -> Path:
+    """The HF directory of a ``.nemo`` (``init_from`` / ``hf_model_dir``): converted once per content (sha256 of the
+    archive, or of an unpacked directory's files) into :func:`cache_root`; concurrent callers (the ranks of a job)
+    wait on a file lock and reuse it. The Kedro process does not call this (it imports no torch): it launches
+    :mod:`align_pipeline.train.jobs.nemo_convert` (``launch.model_jobs.nemo_hf_dir``)."""
+    import fcntl
+
+    target = cache_target(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").is_file():
             if target.exists():
@@ -535,5 +539,5 @@ def hf_dir_for(path: str | os.PathLike) -> Path:
     return target
 
 
-__all__ = ["NemoConversionError", "cache_root", "convert", "hf_config", "hf_dir_for", "is_nemo", "resolve_path",
+__all__ = ["NemoConversionError", "cache_root", "cache_target", "convert", "hf_config", "hf_dir_for", "is_nemo", "resolve_path",
            "unpacked"]

@@ -53,8 +53,17 @@ def validate_raw_prompts(raw_prompts: Any, params: dict[str, Any], ppo: dict[str
 
 
 def fit_tokenizer(raw: dict[str, RawData], params: dict[str, Any]) -> TextTokenizer:
-    """Train the tokenizer on every raw text, or load ``tokenizer.hf_model_dir``'s."""
+    """Train the tokenizer on every raw text, or load ``tokenizer.hf_model_dir``'s (a NeMo ``.nemo``: its HF
+    conversion's)."""
+    import dataclasses
+
+    from align_pipeline.launch.model_jobs import nemo_hf_dir
+    from align_pipeline.model.nemo import is_nemo
+
     config = from_dict(DataPrepConfig, params, "data_prep")
+    if config.tokenizer.hf_model_dir and is_nemo(config.tokenizer.hf_model_dir):
+        config.tokenizer = dataclasses.replace(config.tokenizer,
+                                               hf_model_dir=str(nemo_hf_dir(config.tokenizer.hf_model_dir)))
     texts = [t for data in raw.values() for rec in data.records for t in record_texts(rec)]
     return build_tokenizer(config.tokenizer, texts)
 
