@@ -72,8 +72,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hbm-tb-s", type=float, default=None,
                         help="peak HBM bandwidth in TB/s (default: H200 4.8, H100 3.35, by the device's name)")
     parser.add_argument("--uniform-only", action="store_true", help="only the uniform-length generation")
-    parser.add_argument("--unfolded", action="store_true",
-                        help="decode attention with enable_gqa instead of folded query groups (the form before)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -83,12 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from align_pipeline.config import ModelConfig, ParallelConfig
-    from align_pipeline.model import decode, init
+    from align_pipeline.model import init
     from align_pipeline.model.decode import kv_bytes_per_row
     from align_pipeline.model.generate import generate, prepare_generation
     from align_pipeline.train.core.distributed import init_distributed
 
-    decode.FOLD_GROUPS = not args.unfolded
     if args.hbm_tb_s is None:
         args.hbm_tb_s = hbm_tb_s(device_name())
     run = RUNS[args.shape]

@@ -349,10 +349,9 @@ def _attend_reference(q, k, v, keep, scale):
 
 
 @pytest.mark.parametrize("heads,groups", [(8, 2), (12, 4), (4, 4), (6, 1)])
-def test_decode_attention_with_folded_query_groups(heads, groups):
-    """The decode step's attention over the cache (model/decode.attend_cache): the GPU form (each key/value group's
-    query heads folded into the query axis) and the CPU form (SDPA's enable_gqa) both equal attention computed by
-    hand, rows keeping different numbers of columns."""
+def test_decode_attention_over_the_cache(heads, groups):
+    """The decode step's attention over the cache (model/decode.attend_cache) equals attention computed by hand, for
+    GQA and MHA, rows keeping different numbers of columns."""
     import torch
 
     from align_pipeline.model.decode import attend_cache
@@ -364,16 +363,14 @@ def test_decode_attention_with_folded_query_groups(heads, groups):
     filled = torch.tensor([1, 5, 17, 36, 37])
     keep = (torch.arange(span)[None, :] < filled[:, None])[:, None, None, :]
     expected = _attend_reference(q, k, v, keep, 0.25)
-    for fold in (True, False):
-        out = attend_cache(q, k, v, keep, 0.25, fold=fold)
-        assert out.shape == (b, heads, 1, d)
-        torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-6)
-    assert attend_cache(q, k, v, keep, 0.25).equal(attend_cache(q, k, v, keep, 0.25, fold=False))  # CPU: unfolded
+    out = attend_cache(q, k, v, keep, 0.25)
+    assert out.shape == (b, heads, 1, d)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-6)
 
 
 @pytest.mark.gpu
-def test_decode_attention_with_folded_query_groups_on_a_gpu():
-    """On a GPU the folded form is the default; fp32 and bf16 against attention computed by hand."""
+def test_decode_attention_over_the_cache_on_a_gpu():
+    """On a GPU (cuDNN's GQA kernel), fp32 and bf16 against attention computed by hand."""
     import torch
 
     from align_pipeline.model.decode import attend_cache
