@@ -8,7 +8,7 @@ bandwidth). This is what ``model/decode.py`` runs once per layer per decode step
 Ways (all take q [b, heads, 1, d], the cache k, v [b, groups, span, d] and keep [b, 1, 1, span]):
 
 * ``sdpa_gqa``: ``scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)``, the backend torch picks
-  (what decode.py called before this benchmark existed);
+  (what ``model/decode.py`` runs);
 * ``sdpa_fold``: the query heads of one key/value group folded into the query-length axis, q [b, groups, heads /
   groups, d], so that the kernel reads each cached head once for its whole group with no GQA support needed; the same
   call with each SDPA backend forced (``fold_cudnn``, ``fold_efficient``, ``fold_math``; ``gqa_*`` likewise) where
