@@ -284,3 +284,31 @@ def test_bad_storage_names_file_row_and_field(tmp_path):
     text.write_text("not parquet")
     with pytest.raises(DataValidationError, match="not a readable parquet file"):
         read_raw_path(text, "sft")
+
+
+def test_hostile_and_table_shaped_records(tmp_path):
+    """What the review of these layouts found: null optional fields a table gives every message are left out; a
+    saved numpy format is undone; a NeMo prompt with a string reward_model stays a NeMo prompt; pairs must share a
+    prompt; joined prompt + completion rules hold; nesting too deep is an error, not a crash."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [TOOL_CHAT | {"tools": None}, {"messages": [{"role": "user", "content": "hey"},
+                                                      {"role": "assistant", "content": "yo"}], "tools": None}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    raw = read_raw_path(tmp_path / "t.parquet", "sft")
+    assert raw.records[1]["messages"][0] == {"role": "user", "content": "hey"}  # no tool_calls: None
+    assert "tools" not in raw.records[1]
+    datasets.Dataset.from_list(rows[1:]).with_format("numpy").save_to_disk(str(tmp_path / "np"))
+    assert read_raw_path(tmp_path / "np", "sft").records[0]["messages"][1]["content"] == "yo"
+    nemo_prompt = _raw("prompts", [{"prompt": "2+2?", "answer": "4", "reward_model": "math"}])
+    assert nemo_prompt.layout == "prompt" and nemo_prompt.records[0]["reward_model"] == "math"
+    msg = _error("preference", [{"chosen": PROMPT + GOOD, "rejected": [{"role": "user", "content": "other"}] + BAD}])
+    assert 'field "rejected[0]": the two conversations share no prompt' in msg
+    msg = _error("preference", [{"prompt": PROMPT, "chosen": [{"role": "system", "content": "x"}] + GOOD,
+                                 "rejected": BAD}])
+    assert 'field "chosen[0].role": a system message comes first' in msg
+    deep = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "[" * 100000}}]}]}
+    assert "nested too deeply" in _error("sft", [deep])

@@ -99,11 +99,11 @@ def job_names(section: str, world: int) -> Names:
 
 
 def job_arch(model: ModelConfig, init_from: str | None, kind: str = "random") -> Arch:
-    """The architecture an entry point resolved (``model.init.resolve``: ``kind`` random, checkpoint or hf), named
+    """The architecture an entry point resolved (``model.init.resolve``: ``kind`` random, checkpoint, hf or nemo), named
     by where it came from."""
     if init_from is None:
         return Arch(model, "model")
-    return Arch(model, f"{init_from} model", hf=kind == "hf")
+    return Arch(model, f"{init_from} model", hf=kind in ("hf", "nemo"))  # a .nemo is read as its HF conversion
 
 
 def checkpoint_arch(path: str | Path, label: str | None = None) -> Arch | None:

@@ -82,7 +82,7 @@ def detect(obj: Any, kind: str) -> str | None:
             return "trl_explicit" if "prompt" in keys else "trl_implicit"
         return "nemo" if "prompt" in keys else None
     if kind == "prompts":
-        if "reward_model" in keys:
+        if isinstance(obj.get("reward_model"), dict) and isinstance(obj.get("prompt"), list):
             return "verl"
         if "prompt" in keys:
             return "prompt_messages" if isinstance(obj["prompt"], list) else "prompt"
@@ -175,6 +175,8 @@ def _check_tool_calls(calls: Any, where: str) -> None:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError as exc:
                 raise LayoutError(f"{at}.function.arguments", f"not valid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise LayoutError(f"{at}.function.arguments", "JSON nested too deeply") from None
         if not isinstance(arguments, dict):
             raise LayoutError(f"{at}.function.arguments", f"expected an object, got {type_name(arguments)}")
 
@@ -187,11 +189,17 @@ def _check_tools(tools: Any) -> None:
             raise LayoutError(f"tools[{i}]", f"expected an object (a JSON schema of a function), got {type_name(tool)}")
 
 
+OPTIONAL_FIELDS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
+
+
 def normalize_tool_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages with every tool call's ``arguments`` as an object (chat templates render them with ``tojson``;
-    OpenAI's wire format sends a JSON string) and ``type`` set; nothing else changes."""
+    """The messages as chat templates take them: optional fields that are null left out (a table gives every
+    message every field its file uses; templates test ``'tool_calls' in message``), and every tool call's
+    ``arguments`` as an object (templates render them with ``tojson``; OpenAI's wire format sends a JSON string)
+    with ``type`` set."""
     out = []
     for m in messages:
+        m = {k: v for k, v in m.items() if not (k in OPTIONAL_FIELDS and v is None)}
         if m.get("tool_calls"):
             calls = []
             for c in m["tool_calls"]:
@@ -262,11 +270,25 @@ def _explicit(obj: dict[str, Any]) -> dict[str, Any]:
         check_messages(obj["prompt"], "prompt", prompt=True)
         for side in ("chosen", "rejected"):
             check_messages(obj[side], side, need_assistant=True)
+            _check_joined(obj["prompt"], obj[side], side)
         prompt = normalize_tool_calls(obj["prompt"])
         chosen, rejected = normalize_tool_calls(obj["chosen"]), normalize_tool_calls(obj["rejected"])
     else:
         prompt, chosen, rejected = obj["prompt"], obj["chosen"], obj["rejected"]
     return {"prompt": prompt, "chosen_response": chosen, "rejected_response": rejected, **_scores(obj)}
+
+
+def _check_joined(prompt: list[dict[str, Any]], completion: list[dict[str, Any]], side: str) -> None:
+    """The rules that span the prompt and its completion (a system message first, tool turns after a call), with
+    the completion's messages named by their own index."""
+    try:
+        check_messages(prompt + completion, side)
+    except LayoutError as exc:
+        name = exc.fieldname or side
+        if name.startswith(f"{side}["):
+            index = int(name[len(side) + 1 : name.index("]")]) - len(prompt)
+            name = f"{side}[{index}]{name[name.index(']') + 1:]}"
+        raise LayoutError(name, exc.problem) from None
 
 
 def _implicit(obj: dict[str, Any]) -> dict[str, Any]:
@@ -287,6 +309,9 @@ def _implicit(obj: dict[str, Any]) -> dict[str, Any]:
         cut += 1
     if cut == len(chosen) == len(rejected):  # identical: the last turn is the completion (chosen == rejected)
         cut -= 1
+    if cut == 0:
+        raise LayoutError("rejected[0]", "the two conversations share no prompt: they differ from their first "
+                                          "message (an implicit-prompt pair shares every message before the answer)")
     for key, side in (("chosen", chosen), ("rejected", rejected)):
         if not any(m["role"] == "assistant" for m in side[cut:]):
             raise LayoutError(key, f"no assistant message after the {cut} message(s) both conversations share: "
@@ -352,6 +377,8 @@ def texts_of(value: str | list[dict[str, Any]]) -> list[str]:
     out = []
     for m in value:
         out.append(m.get("content") or "")
+        if m.get("reasoning_content"):
+            out.append(m["reasoning_content"])
         for call in m.get("tool_calls") or ():
             out.append(json.dumps(call["function"], ensure_ascii=False, sort_keys=True))
     return out
@@ -365,7 +392,11 @@ def with_texts(value: str | list[dict[str, Any]], texts: list[str]) -> str | lis
     out, k = [], 0
     for m in value:
         m = {**m, "content": texts[k]} if m.get("content") is not None else dict(m)
-        k += 1 + len(m.get("tool_calls") or ())
+        k += 1
+        if m.get("reasoning_content"):
+            m["reasoning_content"] = texts[k]
+            k += 1
+        k += len(m.get("tool_calls") or ())
         out.append(m)
     return out
 

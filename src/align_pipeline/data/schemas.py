@@ -286,6 +286,8 @@ def _jsonl_rows(blob: bytes, source: str) -> Iterator[Row]:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
             raise make_error(source, lineno, None, f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise make_error(source, lineno, None, "JSON nested too deeply") from None
         yield lineno, obj, bool(_SURROGATE_ESCAPE.search(raw))
 
 
@@ -319,6 +321,8 @@ def validate_rows(rows: Iterable[Row], data: RawData, layout: str = "auto") -> R
                 _check_surrogates(obj)
         except (_FieldError, LayoutError) as exc:
             raise make_error(data.source, number, exc.fieldname, exc.problem, unit) from None
+        except RecursionError:
+            raise make_error(data.source, number, None, "nested too deeply", unit) from None
         form = _form(record, kind)
         if first is None:
             first = (number, form)

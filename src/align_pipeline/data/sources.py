@@ -53,8 +53,8 @@ def source_sha256(path: str | os.PathLike, fmt: str) -> str:
     h = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for f in files:
-        if path.is_dir():
-            h.update(f"{f.relative_to(path).as_posix()}\0".encode())
+        if path.is_dir():  # each file framed by its name and size: no two trees hash alike
+            h.update(f"{f.relative_to(path).as_posix()}\0{f.stat().st_size}\0".encode())
         with open(f, "rb") as stream:
             for chunk in iter(lambda: stream.read(1 << 20), b""):
                 h.update(chunk)
@@ -127,7 +127,7 @@ def _dataset_rows(path: str | os.PathLike, source: str, split: str | None) -> It
         loaded = loaded[split]
     elif split is not None:
         raise make_error(source, None, None, f"is one Dataset, not a DatasetDict: remove `split: {split}`")
-    yield from _columns_rows(loaded.iter(batch_size=BATCH))
+    yield from _columns_rows(loaded.with_format(None).iter(batch_size=BATCH))  # Python objects, not numpy
 
 
 def _columns_rows(batches) -> Iterator[Row]:
@@ -162,7 +162,7 @@ def _table_rows(table: Any, source: str) -> Iterator[Row]:
             for number, row in enumerate(table.iter_rows(named=True), start=1):
                 yield number, row, True
     elif module == "datasets":
-        yield from _columns_rows(table.iter(batch_size=BATCH))
+        yield from _columns_rows(table.with_format(None).iter(batch_size=BATCH))
     else:
         raise DataValidationError(f"{source}: raw data must be a jsonl/parquet file or save_to_disk directory "
                                   "(align_pipeline.datasets.RawDataset), or a pandas/polars DataFrame or "

@@ -54,6 +54,8 @@ from align_pipeline.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+CONVERTER_VERSION = 1
+"""Part of the conversion cache's key: a change to what :func:`convert` writes makes old entries unused."""
 CONFIG_FILE = "model_config.yaml"
 WEIGHTS_DIR = "model_weights"
 PREFIX = "model."
@@ -91,7 +93,7 @@ def unpacked(path: str | os.PathLike) -> Iterator[Path]:
             archive = tarfile.open(path, "r:*")  # noqa: SIM115 - closed by the with below
         except (tarfile.TarError, OSError) as exc:
             raise NemoConversionError(f"{path}: not a .nemo archive (a tar file): {exc}") from None
-        with archive:
+        with archive, _tar_errors(path):
             for member in archive:
                 name = Path(os.path.normpath(member.name.lstrip("/")))
                 if name.is_absolute() or ".." in name.parts:
@@ -102,6 +104,8 @@ def unpacked(path: str | os.PathLike) -> Iterator[Path]:
                 if member.isdir():
                     target.mkdir(parents=True, exist_ok=True)
                 elif member.isfile():
+                    if target.exists():
+                        raise NemoConversionError(f"{path}: member {member.name!r} appears twice")
                     target.parent.mkdir(parents=True, exist_ok=True)
                     with archive.extractfile(member) as src, open(target, "wb") as dst:
                         shutil.copyfileobj(src, dst, 1 << 24)
@@ -109,6 +113,16 @@ def unpacked(path: str | os.PathLike) -> Iterator[Path]:
                     raise NemoConversionError(f"{path}: member {member.name!r} is a link or device file; a .nemo "
                                               "holds regular files only")
         yield _root_of(Path(tmp), path)
+
+
+@contextlib.contextmanager
+def _tar_errors(path: Path) -> Iterator[None]:
+    """A truncated or inconsistent archive (a member that is a file and a directory) as one refusal."""
+    try:
+        yield
+    except (tarfile.TarError, EOFError, FileExistsError, IsADirectoryError, NotADirectoryError) as exc:
+        raise NemoConversionError(f"{path}: a damaged or inconsistent .nemo archive ({type(exc).__name__}: "
+                                  f"{exc})") from None
 
 
 def _root_of(directory: Path, origin: Path) -> Path:
@@ -188,8 +202,12 @@ def hf_config(cfg: dict[str, Any], vocab_size: int, origin: Path) -> dict[str, A
     for key in ("hidden_size", "num_layers", "num_attention_heads"):
         if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
             raise refuse(key, f"expected a positive integer, got {cfg.get(key)!r}")
+    if value("window_size") is not None:
+        raise refuse("window_size", f"{cfg['window_size']!r}: sliding-window attention is not supported")
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     groups = int(value("num_query_groups", heads))
+    if groups <= 0 or heads % groups:
+        raise refuse("num_query_groups", f"{groups} does not divide num_attention_heads = {heads}")
     head_dim = int(value("kv_channels", hidden // heads))
     qkv_bias = bool(value("qkv_bias", False))
     if qkv_bias and head_dim * heads != hidden:
@@ -245,10 +263,13 @@ class _Weights:
                                           "legacy layout); only a model_weights/ distributed checkpoint imports")
             raise NemoConversionError(f"{origin}: no {WEIGHTS_DIR}/ (a .nemo without weights)")
         try:
-            backend = json.loads((self.dir / "metadata.json").read_text()).get("sharded_backend")
+            info = json.loads((self.dir / "metadata.json").read_text())
         except (OSError, ValueError):
-            raise NemoConversionError(f"{origin}: {WEIGHTS_DIR}/metadata.json is missing or not JSON (not a "
-                                      "Megatron distributed checkpoint)") from None
+            info = None
+        if not isinstance(info, dict):
+            raise NemoConversionError(f"{origin}: {WEIGHTS_DIR}/metadata.json is missing or not a JSON object (not a "
+                                      "Megatron distributed checkpoint)")
+        backend = info.get("sharded_backend")
         self.backend = backend
         if backend == "torch_dist":
             from align_pipeline.model import safe_pickle
@@ -285,7 +306,9 @@ class _Weights:
         import torch.distributed.checkpoint as dcp
 
         out = {full: torch.empty(shape, dtype=dtype)}
-        dcp.load(out, storage_reader=dcp.FileSystemReader(str(self.dir)))
+        # no_dist: read in this process alone, even inside a job whose ranks have a process group (the other ranks
+        # wait on hf_dir_for's lock, not in a collective)
+        dcp.load(out, storage_reader=dcp.FileSystemReader(str(self.dir)), no_dist=True)
         return out[full]
 
 
@@ -294,6 +317,12 @@ _ZARR_DTYPES = {"bfloat16": "bfloat16", "<f4": "float32", "<f2": "float16", "<f8
 
 
 def _zarr_dtype(spec: dict[str, Any], where: Path, origin: Path) -> torch.dtype:
+    shape, chunks = spec.get("shape"), spec.get("chunks")
+    if (not isinstance(shape, list) or not isinstance(chunks, list) or len(shape) != len(chunks)
+            or not all(isinstance(n, int) and n > 0 for n in [*shape, *chunks])
+            or spec.get("dimension_separator", ".") not in (".", "/")):
+        raise NemoConversionError(f"{origin}: {where.name}/.zarray: shape {shape!r}, chunks {chunks!r}, "
+                                  f"dimension_separator {spec.get('dimension_separator')!r} do not describe an array")
     dtype = spec.get("dtype")
     if dtype not in _ZARR_DTYPES or spec.get("compressor") is not None or spec.get("order", "C") != "C" or spec.get(
             "filters"):
@@ -318,7 +347,11 @@ def _read_zarr(directory: Path, shape: tuple[int, ...], dtype: torch.dtype) -> t
     counts = [-(-s // c) for s, c in zip(shape, chunks)]
     for index in itertools.product(*(range(n) for n in counts)):
         path = directory / separator.join(str(i) for i in index)
-        data = torch.frombuffer(bytearray(path.read_bytes()), dtype=dtype).reshape(chunks)
+        raw = bytearray(path.read_bytes())
+        size = torch.Size(chunks).numel() * torch.empty((), dtype=dtype).element_size()
+        if len(raw) != size:
+            raise NemoConversionError(f"{path}: {len(raw)} bytes, not the {size} of a chunk {list(chunks)}")
+        data = torch.frombuffer(raw, dtype=dtype).reshape(chunks)
         region = tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, chunks, shape))
         out[region] = data[tuple(slice(0, r.stop - r.start) for r in region)]
     return out
@@ -330,6 +363,21 @@ def hf_tensors(weights: _Weights, hf: dict[str, Any], vocab: int) -> Iterator[di
     hidden = hf["hidden_size"]
     head_dim = hf.get("head_dim") or hidden // heads
     per_group = heads // groups
+    origin = weights.origin
+    qkv_rows = weights.shapes.get(PREFIX + "decoder.layers.self_attention.linear_qkv.weight", ((0, 0),))[0][1:2]
+    if qkv_rows != ((heads + 2 * groups) * head_dim,):
+        raise NemoConversionError(f"{origin}: {PREFIX}decoder.layers.self_attention.linear_qkv.weight has rows "
+                                  f"{qkv_rows}, not (num_attention_heads + 2 num_query_groups) x kv_channels = "
+                                  f"{(heads + 2 * groups) * head_dim} (model_config.yaml and the weights disagree)")
+    has_bias = "decoder.layers.self_attention.linear_qkv.bias" in weights
+    if has_bias != (hf["model_type"] == "qwen2"):
+        raise NemoConversionError(f"{origin}: model_config.yaml qkv_bias: {hf['model_type'] == 'qwen2'} but the "
+                                  f"weights {'have' if has_bias else 'have no'} linear_qkv.bias")
+    present = "output_layer.weight" in weights
+    if present == hf["tie_word_embeddings"]:
+        raise NemoConversionError(f"{origin}: model_config.yaml share_embeddings_and_output_weights: "
+                                  f"{hf['tie_word_embeddings']} but {PREFIX}output_layer.weight is "
+                                  f"{'present' if present else 'absent'}")
     yield {"model.embed_tokens.weight": weights["embedding.word_embeddings.weight"][:vocab].contiguous()}
 
     def stacked(key: str) -> torch.Tensor:
@@ -440,6 +488,18 @@ def _sentencepiece_to_hf(model: Path, out: Path) -> None:
         (Path(tmp) / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer",
                                                                      **specials}))
         AutoTokenizer.from_pretrained(tmp).save_pretrained(str(out))
+    from tokenizers import Tokenizer
+
+    converted = Tokenizer.from_file(str(out / "tokenizer.json"))
+    # the model's own normal pieces, decoded to text (not control, unknown, unused or byte pieces)
+    pieces = [i for i in range(min(sp.get_piece_size(), 2000))
+              if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i) or sp.is_byte(i))]
+    probe = sp.decode(pieces)
+    if converted.encode(probe, add_special_tokens=False).ids != sp.encode(probe):
+        raise NemoConversionError(f"{model.name}: the SentencePiece model's HF conversion tokenizes differently from "
+                                  "SentencePiece itself (a normalizer or option transformers does not reproduce); "
+                                  "give an HF tokenizer as data_prep.tokenizer.hf_model_dir and import the weights "
+                                  "with it")
 
 
 def tokenizer_size(out: Path) -> int | None:
@@ -475,6 +535,8 @@ def convert(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
                 raise NemoConversionError(f"{path}: {PREFIX}rm_head.* (a NeMo-Aligner reward model): its value head "
                                           "is not imported; import its policy, or train a reward model here")
             note = write_tokenizer(cfg, root, tmp, path)
+            if PREFIX + "embedding.word_embeddings.weight" not in weights.shapes:
+                raise NemoConversionError(f"{path}: {WEIGHTS_DIR}/ has no {PREFIX}embedding.word_embeddings.weight")
             padded = weights.shapes[PREFIX + "embedding.word_embeddings.weight"][0][0]
             vocab = tokenizer_size(tmp) or padded
             if vocab > padded:
@@ -493,6 +555,7 @@ def convert(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
             hf["torch_dtype"] = str(dtype).removeprefix("torch.")
             (tmp / "config.json").write_text(json.dumps(hf, indent=2))
             (tmp / "nemo_source.json").write_text(json.dumps({"nemo": str(path), "tokenizer_note": note}, indent=2))
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -518,7 +581,7 @@ def cache_target(path: str | os.PathLike) -> Path:
 
     path = Path(path).resolve()
     digest = source_sha256(path, "dir" if path.is_dir() else "file")[:16]
-    return cache_root() / f"{path.stem}-{digest}"
+    return cache_root() / f"{path.stem}-{digest}-v{CONVERTER_VERSION}"
 
 
 def hf_dir_for(path: str | os.PathLike) -> Path:
