@@ -322,8 +322,10 @@ def test_micro_batches_cut_to_their_rows_train_as_rows_without_the_padding(model
     """A policy (a tiny random HF Llama) run at seq_length 300 gets rollout rows of 300 columns, most of them right
     padding: the rows are grouped by length and every micro-batch is cut to 128 columns (its rows' length rounded
     up) for the reference forward and the training step. The run equals one at seq_length 64, whose rows are
-    neither regrouped nor cut: same rollouts, same per-row reference log-probs (KL), losses and updates (up to the
-    order in which the micro-batches' gradients add up)."""
+    neither regrouped nor cut: same rollouts, same per-row reference log-probs (KL), losses and updates over the
+    iteration's four optimizer steps (up to the order in which the micro-batches' gradients add up). One iteration:
+    the next one's samples come from weights that differ by that float noise, and one flipped token changes a
+    response (it did, once the venv's packages changed)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -337,7 +339,7 @@ def test_micro_batches_cut_to_their_rows_train_as_rows_without_the_padding(model
                                  tie_word_embeddings=True)).save_pretrained(str(hf))
     runs = {}
     for seq in (64, 300):
-        job = reinforce_job(models, tmp_path / f"s{seq}", iterations=2)
+        job = reinforce_job(models, tmp_path / f"s{seq}", iterations=1)
         job = dataclasses.replace(job, model=dataclasses.replace(job.model, seq_length=seq),
                                   paths=dataclasses.replace(job.paths, policy=str(hf)))
         result = run("reinforce", job)
