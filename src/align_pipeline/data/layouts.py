@@ -107,11 +107,7 @@ def check_messages(messages: Any, where: str, *, need_assistant: bool = False, p
     pending_calls = 0
     for i, message in enumerate(messages):
         at = f"{where}[{i}]"
-        if not isinstance(message, dict):
-            raise LayoutError(at, f'expected a message {{"role", "content"}}, got {type_name(message)}')
-        extra = [k for k in message if k not in MESSAGE_FIELDS]
-        if extra:
-            raise LayoutError(f"{at}.{extra[0]}", f"unknown message field (allowed: {', '.join(sorted(MESSAGE_FIELDS))})")
+        _known_object(message, at, 'a message {"role", "content"}', MESSAGE_FIELDS, "message")
         role = message.get("role")
         if role is None:
             raise LayoutError(f"{at}.role", "missing (required)")
@@ -152,16 +148,22 @@ def check_messages(messages: Any, where: str, *, need_assistant: bool = False, p
                           "the prompt ends with an assistant message: nothing is left for the policy to answer")
 
 
+def _known_object(value: Any, at: str, expected: str, allowed: set[str], what: str) -> None:
+    """Refuse (:class:`LayoutError` at ``at``) a value that is not an object, or one with a field not in
+    ``allowed``."""
+    if not isinstance(value, dict):
+        raise LayoutError(at, f"expected {expected}, got {type_name(value)}")
+    extra = [k for k in value if k not in allowed]
+    if extra:
+        raise LayoutError(f"{at}.{extra[0]}", f"unknown {what} field (allowed: {', '.join(sorted(allowed))})")
+
+
 def _check_tool_calls(calls: Any, where: str) -> None:
     if not isinstance(calls, list) or not calls:
         raise LayoutError(where, f"expected a non-empty list of tool calls, got {type_name(calls)}")
     for j, call in enumerate(calls):
         at = f"{where}[{j}]"
-        if not isinstance(call, dict):
-            raise LayoutError(at, f'expected {{"type": "function", "function": {{...}}}}, got {type_name(call)}')
-        extra = [k for k in call if k not in TOOL_CALL_FIELDS]
-        if extra:
-            raise LayoutError(f"{at}.{extra[0]}", f"unknown tool-call field (allowed: {', '.join(sorted(TOOL_CALL_FIELDS))})")
+        _known_object(call, at, '{"type": "function", "function": {...}}', TOOL_CALL_FIELDS, "tool-call")
         if call.get("type", "function") != "function":
             raise LayoutError(f"{at}.type", f'expected "function", got {call["type"]!r}')
         function = call.get("function")
