@@ -506,7 +506,12 @@ def _failure_message(
 ) -> tuple[str, int | None, int | None, Path | None]:  # fmt: skip
     agent_path = log_dir / "torchrun.log"
     agent_log = agent_path.read_text(errors="replace") if agent_path.exists() else ""
-    failure = _first_failure(log_dir, agent_log, gone_at)
+    if returncode < 0 and not direct(launch) and launch.backend != "slurm":
+        # The agent itself was killed (kill -9, the OOM killer): that came first. Its ranks then stop on their own,
+        # and one of them may die of a collective its peer left before the watchdog stopped it: not the cause.
+        failure = _Failure(None, None, None)
+    else:
+        failure = _first_failure(log_dir, agent_log, gone_at)
     rank, n = failure.rank, launch.log_tail_lines
     rank_log = log_dir / f"rank{rank}.log" if rank is not None else None
     if rank is not None:
