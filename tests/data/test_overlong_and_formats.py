@@ -11,7 +11,7 @@ from align_pipeline.config import from_dict
 from align_pipeline.config.base import ConfigError
 from align_pipeline.data.schemas import DataValidationError, parse_jsonl_bytes
 from align_pipeline.data.store import as_rows
-from align_pipeline.data.tokenize import DataPrepConfig, OverlongConfig, encode
+from align_pipeline.data.tokenize import DataPrepConfig, OverlongConfig, encode, key_digest
 from align_pipeline.data.tokenizer import load_tokenizer, train_tokenizer
 
 
@@ -50,7 +50,8 @@ def test_truncate_cuts_at_seq_length_and_keeps_the_loss_that_fits(tok):
     a = _rows(enc, tok, 20)
     # line 2 is cut: 1 bos + 3 prompt chars + 16 response chars; line 3's prompt alone fills 20 tokens -> dropped
     assert enc.overlong == {"sft_truncated": 1, "sft_dropped": 1}
-    assert len(a["input_ids"]) == 2 and enc.keys == ["add: 1+2\n", "q: "]
+    assert len(a["input_ids"]) == 2  # split keys: the untruncated prompts
+    assert enc.keys == [key_digest("add: 1+2\n", DataPrepConfig().seed), key_digest("q: ", DataPrepConfig().seed)]
     assert (a["input_ids"][1] != tok.pad_id).all()  # full row, no padding
     assert tok.decode(a["input_ids"][1]) == "q: " + "x" * 16
     assert a["loss_mask"][1].sum() == 16  # labels 3..18 = tokens 4..19, the 16 x's; position 19 has no label
@@ -59,7 +60,8 @@ def test_truncate_cuts_at_seq_length_and_keeps_the_loss_that_fits(tok):
 
 def test_drop_leaves_out_and_counts(tok):
     enc = encode(_raw("sft", SFT), tok, 20, _config(sft="drop"))
-    assert enc.overlong == {"sft_truncated": 0, "sft_dropped": 2} and enc.keys == ["add: 1+2\n"]
+    assert enc.overlong == {"sft_truncated": 0, "sft_dropped": 2}
+    assert enc.keys == [key_digest("add: 1+2\n", DataPrepConfig().seed)]
     pairs = [{"prompt": "p", "chosen_response": "ok", "rejected_response": "z" * 30},
              {"prompt": "p2", "chosen_response": "a", "rejected_response": "b"}]
     enc = encode(_raw("preference", pairs), tok, 20, _config(preference="drop"))

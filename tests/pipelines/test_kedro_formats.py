@@ -5,7 +5,9 @@ reinforce (a real KedroSession on a temp project with a real sqlite MLflow store
 * preference: TRL's explicit-prompt messages, in a ``datasets`` ``save_to_disk`` directory (``RawDataset``), then
   TRL's implicit-prompt form read by kedro-datasets' own ``pandas.ParquetDataset``;
 * prompts: veRL's parquet layout (``reward_model.ground_truth``, ``data_source``, ``extra_info``), scored by a reward
-  function that reads ``extra_info``.
+  function that reads ``extra_info``;
+* then jsonl files (``RawDataset``): TRL's explicit-prompt pairs as plain strings (tokenized verbatim) into dpo, and
+  prompts as chat messages with extra fields into reinforce.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ TINY_RL = {"rl": {"iterations": 1, "prompts_per_iteration": 4, "epochs": 1, "min
            "reward": {"reward_model_weight": 0.0, "functions": [{"name": "formats_reward:by_source", "weight": 1.0}]}}
 REWARD_MODULE = '''
 def by_source(prompt, response, record):
-    """1 when the response holds the veRL ground truth; the record's extra_info and data_source must arrive."""
+    """1 when the response holds the answer (veRL's ground truth); the record's extra_info and data_source must
+    arrive."""
     assert isinstance(prompt, list) and prompt[-1]["role"] == "user", prompt
     assert record["data_source"] == "demo/add" and record["extra_info"]["index"] >= 0, record
-    return float(record["reward_model"]["ground_truth"] in response)
+    return float(record["answer"] in response)
 
 
 by_source.required_fields = ("answer", "extra_info")
@@ -77,6 +80,14 @@ def _write(raw: Path) -> None:
              "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
              "extra_info": {"split": "train", "index": i}} for i, (a, b) in enumerate(pairs[:32])]
     pq.write_table(pa.Table.from_pylist(verl), raw / "prompts.parquet")
+    # jsonl: TRL's explicit-prompt pairs as plain strings (tokenized verbatim), prompts as messages
+    strings = [{"prompt": f"Q: What is {a} + {b}?\nA:", "chosen": f" {a + b}", "rejected": f" {a + b + 1}"}
+               for a, b in pairs]
+    (raw / "preference_strings.jsonl").write_text("".join(json.dumps(r) + "\n" for r in strings))
+    messages = [{"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a} + {b}?"}],
+                 "answer": str(a + b), "data_source": "demo/add", "extra_info": {"index": i}}
+                for i, (a, b) in enumerate(pairs[:32])]
+    (raw / "prompts_messages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in messages))
 
 
 @pytest.fixture
@@ -149,3 +160,20 @@ def test_trl_openai_verl_data_through_the_catalog_into_sft_dpo_reinforce(project
     for key in ("chosen_input_ids", "chosen_loss_mask", "rejected_input_ids", "rejected_loss_mask"):
         assert (again[key] == pref[key]).all(), key  # same pairs, same tokens and masks (no scores this time)
     assert before != (data / "pref_train.npz").read_bytes()
+
+    # jsonl files: TRL string pairs (verbatim, no template) and prompts as messages, on into dpo and reinforce
+    catalog["raw_preference"] = {"type": "align_pipeline.datasets.RawDataset",
+                                 "filepath": "data/01_raw/preference_strings.jsonl"}
+    catalog["raw_prompts"] = {"type": "align_pipeline.datasets.RawDataset",
+                              "filepath": "data/01_raw/prompts_messages.jsonl"}
+    (project / "conf" / "test" / "catalog_formats.yml").write_text(yaml.safe_dump(catalog))
+    outputs = run_kedro(project, "data_prep", "dpo", "reinforce")
+    pref = load_rows(data / "pref_train.npz")
+    text = tok.decode(pref["chosen_input_ids"][0], skip_special_tokens=False)
+    assert text.startswith("Q: What is ") and "<|im_start|>" not in text  # verbatim strings
+    assert tok.decode(pref["chosen_labels"][0][pref["chosen_loss_mask"][0] == 1]).strip().isdigit()
+    prompts = load_jsonl(data / "prompts_train.jsonl")
+    rendered = tok.decode(prompts[0]["prompt_ids"], skip_special_tokens=False)
+    assert rendered.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>") and rendered.endswith("<|im_start|>assistant\n")
+    assert outputs["reinforce_metrics"].load()["iterations"] == 1
+    assert len(sorted((data.parent / "06_models" / "dpo_policy").iterdir())) == 2

@@ -15,6 +15,7 @@ silently. The counts go into data_prep's metrics in every mode (:meth:`Dubious.m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -114,9 +115,10 @@ def find_dubious(raw: RawData) -> Dubious:
     """The dubious lines of a validated raw file (see the module docstring)."""
     reasons = REASONS.get(raw.kind, ("duplicates", "empty_answers"))
     found = Dubious(kind=raw.kind, source=raw.source, lines={r: [] for r in reasons})
-    first: dict[str, int] = {}
+    first: dict[bytes, int] = {}  # a 16-byte digest per distinct record, not the record
     for record, line in zip(raw.records, raw.lines):
-        key = json.dumps(record, sort_keys=True, ensure_ascii=False)
+        key = hashlib.blake2b(json.dumps(record, sort_keys=True, ensure_ascii=False).encode(),
+                              digest_size=16).digest()
         if key in first:
             found.lines["duplicates"].append(line)
             found.duplicate_of[line] = first[key]

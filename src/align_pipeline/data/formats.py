@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,23 +89,42 @@ def file_sha256(path: PathLike) -> str:
     return h.hexdigest()
 
 
-def arrays_fingerprint(arrays: dict[str, np.ndarray]) -> str:
-    """Short sha256 over names, dtypes, shapes and bytes of the arrays (key order does not matter)."""
+def _chunks(array: Any) -> Iterator[np.ndarray]:
+    """The C-order contents of an array, or of a lazy one (:class:`.store.LazyArray`: its ``chunks()``)."""
+    if hasattr(array, "chunks"):
+        yield from array.chunks()
+    else:
+        yield np.ascontiguousarray(array)
+
+
+def arrays_fingerprint(arrays: dict[str, Any]) -> str:
+    """Short sha256 over names, dtypes, shapes and bytes of the arrays (key order does not matter); lazy arrays
+    (:class:`.store.LazyArray`) are read a chunk at a time."""
     h = hashlib.sha256()
     for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
-        h.update(a.tobytes())
+        a = arrays[name]
+        a = a if hasattr(a, "chunks") else np.asarray(a)
+        h.update(f"{name}|{a.dtype.str}|{tuple(a.shape)}|".encode())
+        for chunk in _chunks(a):
+            h.update(chunk.tobytes())
     return short_hash(h.hexdigest())
 
 
-def _jsonl_bytes(records: list[dict[str, Any]]) -> bytes:
-    return "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records).encode()
+def _jsonl_lines(records: Any) -> Iterator[bytes]:
+    """Each record as its canonical line (keys sorted); a :class:`.store.SpilledRecords` gives its stored lines."""
+    if hasattr(records, "jsonl_lines"):
+        yield from records.jsonl_lines()
+    else:
+        for r in records:
+            yield (json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n").encode()
 
 
 def records_fingerprint(records: list[dict[str, Any]]) -> str:
     """Short sha256 of the canonical jsonl serialisation of ``records``."""
-    return short_hash(bytes_sha256(_jsonl_bytes(records)))
+    h = hashlib.sha256()
+    for line in _jsonl_lines(records):
+        h.update(line)
+    return short_hash(h.hexdigest())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -159,8 +179,10 @@ def sidecar_path(path: PathLike) -> Path:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def save_npz(path: PathLike, arrays: dict[str, np.ndarray], meta: dict[str, Any] | None = None) -> Artifact:
-    """Write ``arrays`` to ``path`` (uncompressed npz) and its sidecar, both atomically; return the artifact."""
+def save_npz(path: PathLike, arrays: dict[str, Any], meta: dict[str, Any] | None = None) -> Artifact:
+    """Write ``arrays`` to ``path`` (uncompressed npz, as ``np.savez`` writes it) and its sidecar, both atomically;
+    return the artifact. Lazy arrays (:class:`.store.LazyArray`, what data_prep spilled to disk) are streamed into
+    the file a chunk at a time."""
     fingerprint = arrays_fingerprint(arrays)
     full_meta = {
         **(meta or {}),
@@ -170,17 +192,36 @@ def save_npz(path: PathLike, arrays: dict[str, np.ndarray], meta: dict[str, Any]
         "arrays": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in sorted(arrays.items())},
     }
     with atomic_open(path, "wb") as f:  # straight into the file: no second copy of the arrays in memory
-        np.savez(f, **{k: np.ascontiguousarray(v) for k, v in arrays.items()})
+        _write_npz(f, arrays)
     atomic_write_json(sidecar_path(path), full_meta)
     return Artifact(path=os.path.abspath(path), fingerprint=fingerprint, meta=full_meta)
 
 
-def save_jsonl(path: PathLike, records: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> Artifact:
-    """Write ``records`` as jsonl (keys sorted) and its sidecar, both atomically; return the artifact."""
-    blob = _jsonl_bytes(records)
-    fingerprint = short_hash(bytes_sha256(blob))
+def _write_npz(f: IO[bytes], arrays: dict[str, Any]) -> None:
+    """np.savez's layout (a stored zip of ``<name>.npy`` members), with lazy arrays written chunk by chunk."""
+    with zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
+        for name, value in arrays.items():
+            with z.open(f"{name}.npy", "w", force_zip64=True) as member:
+                if not hasattr(value, "chunks"):
+                    np.lib.format.write_array(member, np.asanyarray(value), allow_pickle=False)
+                    continue
+                header = {"descr": np.lib.format.dtype_to_descr(value.dtype), "fortran_order": False,
+                          "shape": tuple(value.shape)}
+                np.lib.format.write_array_header_1_0(member, header)
+                for chunk in value.chunks():
+                    member.write(chunk.tobytes())
+
+
+def save_jsonl(path: PathLike, records: Any, meta: dict[str, Any] | None = None) -> Artifact:
+    """Write ``records`` (a list of dicts, or a :class:`.store.SpilledRecords`) as jsonl (keys sorted) and its
+    sidecar, both atomically, a line at a time; return the artifact."""
+    h = hashlib.sha256()
+    with atomic_open(path, "wb") as f:
+        for line in _jsonl_lines(records):
+            h.update(line)
+            f.write(line)
+    fingerprint = short_hash(h.hexdigest())
     full_meta = {**(meta or {}), "format": "jsonl", "format_version": FORMAT_VERSION, "fingerprint": fingerprint}
-    atomic_write_bytes(path, blob)
     atomic_write_json(sidecar_path(path), full_meta)
     return Artifact(path=os.path.abspath(path), fingerprint=fingerprint, meta=full_meta)
 

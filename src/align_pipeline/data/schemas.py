@@ -33,7 +33,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -65,9 +66,10 @@ class RawData:
     """The file as shown in messages (relative to the working directory when inside it)."""
     sha256: str
     """Full sha256 of the file's bytes."""
-    records: list[dict[str, Any]] = field(default_factory=list)
-    """One dict per non-blank line, in file order."""
-    lines: list[int] = field(default_factory=list)
+    records: list[dict[str, Any]] | StreamedRecords = field(default_factory=list)
+    """One dict per non-blank line, in file order: a list, or (a file, a directory, a catalog table) a
+    :class:`StreamedRecords` that reads the source again on each pass."""
+    lines: list[int] | array = field(default_factory=list)
     """1-based line number of each record."""
     templated: bool = False
     """The texts are tokenized verbatim, never through a chat template: NeMo-Aligner's ``{"text"}`` layout (the
@@ -78,7 +80,7 @@ class RawData:
     """What :attr:`lines` count in messages: ``line`` (jsonl) or ``row`` (parquet, a datasets table)."""
 
     def __len__(self) -> int:
-        return len(self.records)
+        return len(self.lines)
 
     def error(self, index: int, fieldname: str | None, problem: str) -> DataValidationError:
         """A :class:`DataValidationError` for record ``index`` (position in :attr:`records`)."""
@@ -274,8 +276,8 @@ Row = tuple[int, Any, bool]
 """(1-based line or row number, the decoded record, whether its strings may hold lone surrogates)."""
 
 
-def _jsonl_rows(blob: bytes, source: str) -> Iterator[Row]:
-    for lineno, raw in enumerate(blob.split(b"\n"), start=1):
+def _jsonl_rows(blob: bytes, source: str, first: int = 1) -> Iterator[Row]:
+    for lineno, raw in enumerate(blob.split(b"\n"), start=first):
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -291,11 +293,23 @@ def _jsonl_rows(blob: bytes, source: str) -> Iterator[Row]:
         yield lineno, obj, bool(_SURROGATE_ESCAPE.search(raw))
 
 
-def validate_rows(rows: Iterable[Row], data: RawData, layout: str = "auto") -> RawData:
+def jsonl_file_rows(path: str | os.PathLike, source: str) -> Iterator[Row]:
+    """The rows of a jsonl file, read a line at a time (the same lines and numbers as :func:`parse_jsonl_bytes`)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            yield from _jsonl_rows(raw.removesuffix(b"\n"), source, lineno)
+
+
+def validate_rows(rows: Iterable[Row], data: RawData, layout: str = "auto",
+                  reread: Callable[[], Iterable[Row]] | None = None) -> RawData:
     """Validate and normalize every row into ``data`` (its ``kind``, ``source`` and ``unit`` name the rows in
     messages). The file's layout is ``layout`` when forced, else its first record's; a record whose keys name
     another layout, or that holds messages where the first held strings (or the reverse), is refused naming its
-    line: a file does not mix layouts."""
+    line: a file does not mix layouts.
+
+    ``reread``: a function giving the same rows again. With it the records are not kept: ``data.records`` becomes
+    a :class:`StreamedRecords` over ``reread`` (a large file is never held in memory), ``data.lines`` a compact
+    array."""
     kind, unit = data.kind, data.unit
     if kind not in _CHECKS:
         raise ValueError(f"unknown data kind {kind!r}; expected one of {KINDS}")
@@ -304,6 +318,8 @@ def validate_rows(rows: Iterable[Row], data: RawData, layout: str = "auto") -> R
                                                   f"expected auto or one of {', '.join(LAYOUTS[kind])}")
     file_layout = None if layout == "auto" else layout
     first: tuple[int, str] | None = None  # (line, form) of the first record
+    if reread is not None:
+        data.records, data.lines = [], array("q")
     for number, obj, surrogates in rows:
         found = detect(obj, kind)
         if file_layout is None:
@@ -330,17 +346,88 @@ def validate_rows(rows: Iterable[Row], data: RawData, layout: str = "auto") -> R
             raise make_error(data.source, number, _FORM_FIELD[kind],
                              f"mixes layouts: chat messages and plain strings (this record: {form}; the file's first "
                              f"record, {unit} {first[0]}: {first[1]})", unit)
-        data.records.append(record)
+        if reread is None:
+            data.records.append(record)
         data.lines.append(number)
-    if not data.records:
+    if not data.lines:
         what = "file is empty" if unit == "line" else "no rows"
         raise make_error(data.source, None, None, f"{what}: expected one {kind} record per {unit}", unit)
     data.layout = file_layout or _DEFAULT_LAYOUT[kind]
     data.templated = data.layout == "nemo_text" or (data.layout in VERBATIM and first is not None
                                                    and first[1] == "text")
-    if data.layout == "nemo_text" and kind == "preference":
-        _pair_text_lines(data)
+    pairs = data.layout == "nemo_text" and kind == "preference"
+    if pairs and len(data.lines) % 2:
+        raise make_error(data.source, data.lines[-1], TEXT_FIELD,
+                         f"chosen text without its rejected {data.unit}: NeMo-Aligner's reward-model layout pairs "
+                         f"consecutive {data.unit}s (chosen, then rejected)", data.unit)
+    if reread is not None:
+        data.records = StreamedRecords(reread, kind, data.layout, data.source, unit, len(data.lines), pairs)
+    if pairs:
+        data.lines = data.lines[::2]
+        if reread is None:
+            data.records = [_text_pair(data.records[i][TEXT_FIELD], data.records[i + 1][TEXT_FIELD])
+                            for i in range(0, len(data.records), 2)]
     return data
+
+
+class StreamedRecords:
+    """The validated records of a source that is read again on each pass (a file, a ``save_to_disk`` directory, a
+    catalog table), normalized again on the way: data_prep never holds a large file's records all at once.
+
+    Iterating gives the records in order (NeMo-Aligner's ``{"text"}`` pairs joined as :func:`validate_rows` joins
+    them); a source that changed since it was validated is refused. ``len`` is the record count; ``[i]`` reads up to
+    record ``i`` (for messages and tests, not for loops). Copies share the source (it is read, never written)."""
+
+    def __init__(self, rows: Callable[[], Iterable[Row]], kind: str, layout: str, source: str, unit: str, rows_n: int,
+                 pairs: bool = False):
+        self._rows, self.kind, self.layout, self.source, self.unit = rows, kind, layout, source, unit
+        self._rows_n, self._pairs = rows_n, pairs
+
+    def __len__(self) -> int:
+        return self._rows_n // 2 if self._pairs else self._rows_n
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        n, chosen = 0, None
+        for number, obj, _ in self._rows():
+            try:
+                record = validate_record(obj, self.kind, self.layout)
+            except (_FieldError, LayoutError) as exc:
+                raise make_error(self.source, number, exc.fieldname, f"{exc.problem} (the data changed after "
+                                 "data_prep validated it)", self.unit) from None
+            n += 1
+            if not self._pairs:
+                yield record
+            elif chosen is None:
+                chosen = record[TEXT_FIELD]
+            else:
+                yield _text_pair(chosen, record[TEXT_FIELD])
+                chosen = None
+        if n != self._rows_n:
+            raise make_error(self.source, None, None, f"changed while data_prep read it: {n} records now, "
+                             f"{self._rows_n} when it was validated", self.unit)
+
+    def __getitem__(self, key):
+        import itertools
+
+        if isinstance(key, slice):
+            return [self[i] for i in range(*key.indices(len(self)))]
+        if not -len(self) <= key < len(self):
+            raise IndexError(key)
+        return next(itertools.islice(iter(self), key % len(self), None))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (list, StreamedRecords)) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __copy__(self) -> StreamedRecords:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> StreamedRecords:  # Kedro's MemoryDataset deep-copies node outputs
+        return self
+
+    def __repr__(self) -> str:
+        return f"StreamedRecords({self.source}: {len(self)} {self.kind} records)"
 
 
 _FORM_FIELD = {"sft": "messages", "preference": "chosen_response", "prompts": "prompt", "regression": "prompt"}
@@ -361,20 +448,11 @@ def parse_jsonl_bytes(blob: bytes, kind: str, source: str, layout: str = "auto")
     return validate_rows(_jsonl_rows(blob, source), data, layout)
 
 
-def _pair_text_lines(data: RawData) -> None:
-    """NeMo-Aligner RM layout: consecutive ``{"text"}`` lines -> one preference record per (chosen, rejected) pair,
-    the common prefix (cut back to whitespace) as the prompt."""
-    if len(data.records) % 2:
-        raise make_error(data.source, data.lines[-1], TEXT_FIELD,
-                         f"chosen text without its rejected {data.unit}: NeMo-Aligner's reward-model layout pairs "
-                         f"consecutive {data.unit}s (chosen, then rejected)", data.unit)
-    records, lines = [], []
-    for i in range(0, len(data.records), 2):
-        chosen, rejected = data.records[i][TEXT_FIELD], data.records[i + 1][TEXT_FIELD]
-        cut = common_prompt_length(chosen, rejected)
-        records.append({"prompt": chosen[:cut], "chosen_response": chosen[cut:], "rejected_response": rejected[cut:]})
-        lines.append(data.lines[i])
-    data.records, data.lines = records, lines
+def _text_pair(chosen: str, rejected: str) -> dict[str, str]:
+    """NeMo-Aligner RM layout: a (chosen, rejected) pair of complete texts -> one preference record, their common
+    prefix (cut back to whitespace) as the prompt."""
+    cut = common_prompt_length(chosen, rejected)
+    return {"prompt": chosen[:cut], "chosen_response": chosen[cut:], "rejected_response": rejected[cut:]}
 
 
 def read_raw_jsonl(path: str | os.PathLike, kind: str, source: str | None = None, layout: str = "auto") -> RawData:
@@ -471,7 +549,9 @@ __all__ = [
     "KINDS",
     "DataValidationError",
     "RawData",
+    "StreamedRecords",
     "display_path",
+    "jsonl_file_rows",
     "make_error",
     "parse_jsonl_bytes",
     "read_raw_jsonl",

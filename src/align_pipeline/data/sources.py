@@ -26,7 +26,7 @@ from typing import Any
 
 from .errors import DataValidationError, display_path, make_error
 from .formats import Artifact
-from .schemas import RawData, Row, parse_jsonl_bytes, validate_rows
+from .schemas import RawData, Row, jsonl_file_rows, validate_rows
 
 BATCH = 1024
 """Rows read at a time from parquet files and datasets tables."""
@@ -63,13 +63,15 @@ def source_sha256(path: str | os.PathLike, fmt: str) -> str:
 
 def read_raw(data: Any, kind: str, layout: str = "auto", name: str | None = None) -> RawData:
     """Read and validate raw records of ``kind`` from what the catalog gave: an :class:`Artifact` of a raw file or
-    directory (:class:`align_pipeline.datasets.RawDataset`), or a table (``name``: its catalog entry, for messages)."""
+    directory (:class:`align_pipeline.datasets.RawDataset`), or a table (``name``: its catalog entry, for messages).
+    The records are not held: each later pass reads the source again (:class:`~.schemas.StreamedRecords`)."""
     if isinstance(data, Artifact):
         return read_raw_path(data.path, kind, layout, source=data.meta.get("source"),
                              fmt=data.meta.get("format", "auto"), split=data.meta.get("split"))
     source = f"{name or 'raw ' + kind} ({type(data).__module__.split('.')[0]}.{type(data).__name__})"
     rows, digest = _hashed(_table_rows(data, source))
-    raw = validate_rows(rows, RawData(kind=kind, source=source, sha256="", unit="row"), layout)
+    raw = validate_rows(rows, RawData(kind=kind, source=source, sha256="", unit="row"), layout,
+                        reread=lambda: _table_rows(data, source))
     raw.sha256 = digest.hexdigest()
     return raw
 
@@ -77,7 +79,8 @@ def read_raw(data: Any, kind: str, layout: str = "auto", name: str | None = None
 def read_raw_path(path: str | os.PathLike, kind: str, layout: str = "auto", source: str | None = None,
                   fmt: str = "auto", split: str | None = None) -> RawData:
     """Read and validate the raw file or ``save_to_disk`` directory at ``path``; every problem raises
-    :class:`DataValidationError` naming it (and the line or row, and the field)."""
+    :class:`DataValidationError` naming it (and the line or row, and the field). Rows are read a line or a batch
+    at a time, and again on each later pass: a file larger than memory is never held whole."""
     source = source or display_path(path)
     if not os.path.exists(path):
         raise make_error(source, None, None, "file not found")
@@ -85,12 +88,13 @@ def read_raw_path(path: str | os.PathLike, kind: str, layout: str = "auto", sour
     if fmt == "jsonl":
         if os.path.isdir(path):
             raise make_error(source, None, None, "is a directory, not a jsonl file")
-        with open(path, "rb") as f:
-            blob = f.read()
-        return parse_jsonl_bytes(blob, kind, source, layout)
-    rows = _parquet_rows(path, source) if fmt == "parquet" else _dataset_rows(path, source, split)
-    return validate_rows(rows, RawData(kind=kind, source=source, sha256=source_sha256(path, fmt), unit="row"),
-                         layout)
+        rows, unit = (lambda: jsonl_file_rows(path, source)), "line"
+    elif fmt == "parquet":
+        rows, unit = (lambda: _parquet_rows(path, source)), "row"
+    else:
+        rows, unit = (lambda: _dataset_rows(path, source, split)), "row"
+    return validate_rows(rows(), RawData(kind=kind, source=source, sha256=source_sha256(path, fmt), unit=unit),
+                         layout, reread=rows)
 
 
 def _parquet_rows(path: str | os.PathLike, source: str) -> Iterator[Row]:
@@ -98,7 +102,9 @@ def _parquet_rows(path: str | os.PathLike, source: str) -> Iterator[Row]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.ParquetFile(path)
+        # No pre-buffering (it reads every column chunk of the file ahead), buffered reads of a column chunk's pages:
+        # memory stays at a batch of rows, whatever the file's size or row groups.
+        table = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
     except (pa.ArrowException, OSError) as exc:
         raise make_error(source, None, None, f"not a readable parquet file ({exc})") from None
     number = 0
@@ -143,8 +149,11 @@ def _table_rows(table: Any, source: str) -> Iterator[Row]:
     """Rows of a table object the catalog loaded."""
     module = type(table).__module__.split(".")[0]
     if module == "pandas":
-        for number, row in enumerate(table.to_dict("records"), start=1):
-            yield number, {k: _plain(v) for k, v in row.items()}, True
+        number = 0
+        for start in range(0, len(table), BATCH):  # a batch of rows as dicts at a time
+            for row in table.iloc[start : start + BATCH].to_dict("records"):
+                number += 1
+                yield number, {k: _plain(v) for k, v in row.items()}, True
     elif module == "polars":
         import polars as pl
 

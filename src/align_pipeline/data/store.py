@@ -21,10 +21,12 @@ labels). Files in the older padded layout load as they are.
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import zipfile
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -38,29 +40,196 @@ RAGGED_KEYS = ("tokens", "response", "offsets")
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class RaggedBuilder:
-    """Samples appended one at a time into growing int32 / uint8 buffers (5 bytes a token; a list of Python ints
-    takes ~40): a file's ragged arrays built without holding its samples as lists."""
+SPILL_BUFFER = 1 << 22
+"""Bytes a spill file buffers before it writes them out."""
+CHUNK_BYTES = 1 << 24
+"""Bytes per chunk when a spilled array is read back (written into an ``.npz``, hashed)."""
+
+
+class SpillFile:
+    """An anonymous temporary file (in ``TMPDIR``; gone once closed or collected) that a builder appends to and
+    readers read at byte offsets: what data_prep has tokenized stays on disk, not in memory, until it is written
+    into its artifact. Set ``TMPDIR`` to a disk (not a RAM-backed tmpfs) for multi-GB data."""
 
     def __init__(self) -> None:
-        self.tokens, self.response, self.offsets = array("i"), array("B"), array("q", [0])
+        self._file = tempfile.TemporaryFile(prefix="align-pipeline-data-")  # noqa: SIM115 — closed when collected
+        self._buffer = bytearray()
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._buffer += data
+        self.size += len(data)
+        if len(self._buffer) >= SPILL_BUFFER:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buffer:
+            self._file.write(self._buffer)
+            self._file.flush()
+            self._buffer.clear()
+
+    def read(self, start: int, n: int) -> bytes:
+        self.flush()
+        out = os.pread(self._file.fileno(), n, start)
+        if len(out) != n:
+            raise OSError(f"spill file {self._file.name}: read {len(out)} of {n} bytes at {start}")
+        return out
+
+
+class LazyArray:
+    """A 1-D array not held in memory: ``dtype``, ``shape`` and :meth:`chunks` (what :func:`.formats.save_npz` and
+    :func:`.formats.arrays_fingerprint` stream); ``np.asarray`` reads it whole (tests, small data)."""
+
+    dtype: np.dtype
+    shape: tuple[int]
+    ndim = 1
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        parts = list(self.chunks())
+        out = np.concatenate(parts) if parts else np.empty(0, self.dtype)
+        return out if dtype is None else out.astype(dtype)
+
+    def __getitem__(self, key):
+        return np.asarray(self)[key]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dtype={self.dtype}, shape={self.shape})"
+
+
+class DiskArray(LazyArray):
+    """``n`` items of ``dtype`` at the start of a :class:`SpillFile`."""
+
+    def __init__(self, spill: SpillFile, dtype: Any, n: int):
+        self.spill, self.dtype, self.shape = spill, np.dtype(dtype), (int(n),)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        size = self.dtype.itemsize
+        return np.frombuffer(self.spill.read(start * size, (stop - start) * size), dtype=self.dtype)
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        step = max(CHUNK_BYTES // self.dtype.itemsize, 1)
+        for a in range(0, self.shape[0], step):
+            yield self.read(a, min(a + step, self.shape[0]))
+
+    def __getitem__(self, key):
+        if isinstance(key, slice) and key.step in (None, 1):
+            start, stop, _ = key.indices(self.shape[0])
+            return self.read(start, max(start, stop))
+        return super().__getitem__(key)
+
+
+class TakenArray(LazyArray):
+    """The items ``[starts[i], ends[i])`` of a :class:`DiskArray`, one range after another (a ragged group's
+    selected samples): contiguous ranges are read together, a chunk at a time."""
+
+    def __init__(self, source: DiskArray, starts: np.ndarray, ends: np.ndarray):
+        self.source, self.starts, self.ends = source, starts, ends
+        self.dtype, self.shape = source.dtype, (int((ends - starts).sum()),)
+
+    def _runs(self) -> Iterator[tuple[int, int]]:
+        limit = max(CHUNK_BYTES // self.dtype.itemsize, 1)
+        run_start = run_end = None
+        for s, e in zip(self.starts.tolist(), self.ends.tolist()):
+            if run_start is not None and s == run_end and e - run_start <= limit:
+                run_end = e
+                continue
+            if run_start is not None:
+                yield run_start, run_end
+            run_start, run_end = s, e
+        if run_start is not None:
+            yield run_start, run_end
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        for s, e in self._runs():
+            if e > s:
+                yield self.source.read(s, e)
+
+
+class RaggedBuilder:
+    """Samples appended one at a time, their tokens (int32) and response flags (uint8) written to spill files
+    (:class:`SpillFile`); only the offsets (8 bytes a sample) stay in memory. :meth:`arrays` gives the ragged
+    arrays, the two long ones as :class:`DiskArray`."""
+
+    def __init__(self) -> None:
+        self.tokens, self.response, self.offsets = SpillFile(), SpillFile(), array("q", [0])
         self.longest = 0
 
     def append(self, sample: tuple[Any, Any]) -> None:
         ids, is_response = sample
-        self.tokens.extend(ids)
-        self.response.extend(is_response)
-        self.offsets.append(len(self.tokens))
+        self.tokens.write(np.asarray(ids, dtype=np.int32).tobytes())
+        self.response.write(np.asarray(is_response, dtype=np.uint8).tobytes())
+        self.offsets.append(self.offsets[-1] + len(ids))
         self.longest = max(self.longest, len(ids))
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def arrays(self, prefix: str = "") -> dict[str, np.ndarray]:
-        """``{p}tokens``, ``{p}response``, ``{p}offsets`` (views of the buffers, no copy)."""
-        return {f"{prefix}tokens": np.frombuffer(self.tokens, dtype=np.int32),
-                f"{prefix}response": np.frombuffer(self.response, dtype=np.uint8),
+    def arrays(self, prefix: str = "") -> dict[str, Any]:
+        """``{p}tokens``, ``{p}response`` (on disk), ``{p}offsets``."""
+        n = self.offsets[-1]
+        return {f"{prefix}tokens": DiskArray(self.tokens, np.int32, n),
+                f"{prefix}response": DiskArray(self.response, np.uint8, n),
                 f"{prefix}offsets": np.frombuffer(self.offsets, dtype=np.int64)}
+
+
+class SpilledRecords:
+    """Records appended one at a time as canonical JSON lines (keys sorted, the bytes a ``.jsonl`` artifact holds)
+    in a :class:`SpillFile`; only line offsets stay in memory. A read-only sequence: ``len``, iteration, ``[i]``,
+    :meth:`take` (a selection in a given order) and :meth:`jsonl_lines` (the bytes, for writing)."""
+
+    def __init__(self, spill: SpillFile | None = None, starts: np.ndarray | None = None,
+                 ends: np.ndarray | None = None):
+        self._spill = spill or SpillFile()
+        self._offsets = array("q", [0]) if starts is None else None
+        self._starts, self._ends = starts, ends
+
+    def append(self, record: dict[str, Any]) -> None:
+        assert self._offsets is not None, "a selection is read-only"
+        line = (json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n").encode()
+        self._spill.write(line)
+        self._offsets.append(self._offsets[-1] + len(line))
+
+    def _bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._offsets is not None:
+            offsets = np.frombuffer(self._offsets, dtype=np.int64)
+            return offsets[:-1], offsets[1:]
+        return self._starts, self._ends
+
+    def __len__(self) -> int:
+        return len(self._bounds()[0])
+
+    def take(self, idx: Iterable[int]) -> SpilledRecords:
+        starts, ends = self._bounds()
+        idx = np.asarray(list(idx) if not isinstance(idx, np.ndarray) else idx, dtype=np.int64)
+        return SpilledRecords(self._spill, starts[idx], ends[idx])
+
+    def jsonl_lines(self) -> Iterator[bytes]:
+        for s, e in zip(*(b.tolist() for b in self._bounds())):
+            yield self._spill.read(s, e - s)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (json.loads(line) for line in self.jsonl_lines())
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return [self[i] for i in range(*key.indices(len(self)))]
+        starts, ends = self._bounds()
+        s, e = int(starts[key]), int(ends[key])
+        return json.loads(self._spill.read(s, e - s))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (list, SpilledRecords)) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SpilledRecords({len(self)} records)"
 
 
 def ragged(samples: list[tuple[Any, Any]], prefix: str = "") -> dict[str, np.ndarray]:
@@ -92,6 +261,9 @@ def select(arrays: Mapping[str, np.ndarray], idx: Iterable[int]) -> dict[str, np
         new_offsets = np.zeros(len(idx) + 1, dtype=np.int64)
         np.cumsum(ends - starts, out=new_offsets[1:])
         for name in ("tokens", "response"):  # sample by sample: no index array of every token
+            if isinstance(arrays[f"{p}{name}"], DiskArray):  # spilled: selected lazily, read when written
+                out[f"{p}{name}"] = TakenArray(arrays[f"{p}{name}"], starts, ends)
+                continue
             source = np.asarray(arrays[f"{p}{name}"])
             target = np.empty(int(new_offsets[-1]), dtype=source.dtype)
             for s, e, at in zip(starts.tolist(), ends.tolist(), new_offsets[:-1].tolist()):
@@ -255,5 +427,6 @@ def load_sequences(path: str | os.PathLike) -> SequenceArrays:
     return SequenceArrays(mmap_npz(path), meta.get("seq_length"), meta.get("pad_id"))
 
 
-__all__ = ["Rows", "SequenceArrays", "as_rows", "groups", "load_rows", "load_sequences", "mmap_npz", "num_samples", "ragged",
+__all__ = ["DiskArray", "LazyArray", "RaggedBuilder", "Rows", "SequenceArrays", "SpillFile", "SpilledRecords",
+           "TakenArray", "as_rows", "groups", "load_rows", "load_sequences", "mmap_npz", "num_samples", "ragged",
            "select"]

@@ -37,6 +37,8 @@ both splits.
 from __future__ import annotations
 
 import hashlib
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -48,7 +50,7 @@ from .chat import ChatTemplate, ChatTemplateError, completion_messages, prompt_m
 from .formats import ArrayBundle, RecordBundle
 from .layouts import key_text, texts_of, with_texts
 from .schemas import RawData, message_segments, sft_prompt_text, sft_segments
-from .store import RaggedBuilder, select
+from .store import RaggedBuilder, SpilledRecords, select
 from .tokenizer import TextTokenizer, TokenizerConfig
 
 SPLITS = ("train", "val")
@@ -268,16 +270,33 @@ class Overlong:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def split_indices(keys: list[str], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Deterministic (train, val) indices into ``keys``; see the module docstring."""
-    unique = sorted(set(keys), key=lambda k: hashlib.sha256(f"{seed}\x00{k}".encode()).digest())
-    n = len(unique)
+def key_digest(key: str, seed: int) -> bytes:
+    """The 32 bytes the split sorts a prompt by (sha256 of the seed and the prompt's key text)."""
+    return hashlib.sha256(f"{seed}\x00{key}".encode()).digest()
+
+
+def split_digests(digests: Sequence[bytes], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic (train, val) indices into per-sample key digests (:func:`key_digest`): the
+    ``round(K * val_fraction)`` lowest of the K distinct digests go to val (see the module docstring)."""
+    d = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(digests), 32)  # [N, 32]
+    order = np.lexsort(d.T[::-1])  # byte-wise order of the digests, first byte most significant
+    ranked = d[order]
+    distinct = np.ones(len(d), dtype=bool)
+    distinct[1:] = np.any(ranked[1:] != ranked[:-1], axis=1)
+    n = int(distinct.sum())
     n_val = round(n * val_fraction)
     if val_fraction > 0 and n >= 2:
         n_val = min(max(n_val, 1), n - 1)
-    val_keys = set(unique[:n_val])
-    val = [i for i, k in enumerate(keys) if k in val_keys]
-    return [i for i, k in enumerate(keys) if k not in val_keys], val
+    group = np.cumsum(distinct) - 1  # rank of each sample's digest among the distinct ones
+    in_val = np.zeros(len(d), dtype=bool)  # [N]
+    in_val[order] = group < n_val
+    return np.nonzero(~in_val)[0], np.nonzero(in_val)[0]
+
+
+def split_indices(keys: list[str], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic (train, val) indices into ``keys``; see the module docstring."""
+    train, val = split_digests([key_digest(k, seed) for k in keys], val_fraction)
+    return train.tolist(), val.tolist()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,9 +308,11 @@ def split_indices(keys: list[str], val_fraction: float, seed: int) -> tuple[list
 class Encoded:
     """One tokenized file before splitting: per-sample split keys, the arrays or records, the longest sample."""
 
-    keys: list[str]
-    arrays: dict[str, np.ndarray] | None = None
-    records: list[dict[str, Any]] | None = None
+    keys: list[bytes]
+    """Per kept sample, its prompt's :func:`key_digest` (the train/val split's key)."""
+    arrays: dict[str, Any] | None = None
+    """The ragged groups (long arrays spilled to disk, :class:`.store.DiskArray`) and per-sample arrays."""
+    records: SpilledRecords | None = None
     max_tokens: int = 0
     attributes: list[str] | None = None
     """Regression data: the label names, in the column order of ``reward_labels``."""
@@ -320,12 +341,13 @@ def _clip_sft(record: dict[str, Any], over: Overlong) -> dict[str, Any]:
     return {**record, "system": system, "conversations": turns}
 
 
-def encode_sft(raw: RawData, render: Renderer, seq_length: int, over: Overlong) -> Encoded:
-    samples, kept = RaggedBuilder(), []
+def encode_sft(raw: RawData, render: Renderer, seq_length: int, over: Overlong, seed: int) -> Encoded:
+    samples, kept, keys = RaggedBuilder(), array("q"), []
     for i, rec in enumerate(raw.records):
         chat = "conversations" in rec or "messages" in rec
         field_name, what = ("messages" if "messages" in rec else "conversations", "the conversation") if chat else (
             "output", "input + output")
+        key = sft_prompt_text(rec)
         if over.too_many_chars(_sft_texts(rec)):
             if over.policy != "truncate":
                 over.fit(i, None, field_name, what)
@@ -336,8 +358,8 @@ def encode_sft(raw: RawData, render: Renderer, seq_length: int, over: Overlong) 
         if sample is not None:
             samples.append(sample)
             kept.append(i)
-    return _arrays_encoded(raw, kept, [sft_prompt_text(raw.records[i]) for i in kept], samples, seq_length,
-                           render.tok, over)
+            keys.append(key_digest(key, seed))
+    return _arrays_encoded(raw, kept, keys, samples, seq_length, render.tok, over)
 
 
 def _render(raw: RawData, i: int, field_name: str, fn):
@@ -361,9 +383,10 @@ def _prompt_response_sample(raw: RawData, i: int, render: Renderer, over: Overlo
     return over.fit(i, _render(raw, i, field_name, lambda: render.prompt_response(prompt, response)), field_name, what)
 
 
-def encode_preference(raw: RawData, render: Renderer, seq_length: int, over: Overlong) -> Encoded:
+def encode_preference(raw: RawData, render: Renderer, seq_length: int, over: Overlong, seed: int) -> Encoded:
     sides = {"chosen": RaggedBuilder(), "rejected": RaggedBuilder()}
-    kept = []
+    rewards: dict[str, array] = {side: array("f") for side in sides}
+    kept, keys = array("q"), []
     for i, rec in enumerate(raw.records):
         pair = {}
         for side in sides:
@@ -375,30 +398,26 @@ def encode_preference(raw: RawData, render: Renderer, seq_length: int, over: Ove
             continue
         for side, sample in pair.items():
             sides[side].append(sample)
+            rewards[side].append(float(rec.get(f"{side}_reward", np.nan)))
         kept.append(i)
+        keys.append(key_digest(key_text(rec["prompt"]), seed))
     # A pair counts once: truncated when either side was, dropped when either side was.
     over.dropped = sorted(set(over.dropped))
     over.truncated = sorted(set(over.truncated) - set(over.dropped))
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, Any] = {}
     for side, samples in sides.items():
         arrays.update(samples.arrays(prefix=f"{side}_"))
-        arrays[f"{side}_reward"] = np.array(
-            [float(raw.records[i].get(f"{side}_reward", np.nan)) for i in kept], dtype=np.float32
-        )  # [N]
+        arrays[f"{side}_reward"] = np.frombuffer(rewards[side], dtype=np.float32)  # [N]
     _require_some(raw, kept, over)
-    return Encoded(
-        keys=[key_text(raw.records[i]["prompt"]) for i in kept],
-        arrays=arrays,
-        max_tokens=max(samples.longest for samples in sides.values()),
-        overlong=over.metrics(),
-    )
+    return Encoded(keys=keys, arrays=arrays, max_tokens=max(samples.longest for samples in sides.values()),
+                   overlong=over.metrics())
 
 
-def encode_prompts(raw: RawData, render: Renderer, seq_length: int, over: Overlong) -> Encoded:
+def encode_prompts(raw: RawData, render: Renderer, seq_length: int, over: Overlong, seed: int) -> Encoded:
     """Prompt records: every raw field, ``answer`` (None when absent) and ``prompt_ids`` (rendered with the chat
     template's generation prompt when there is one). A prompt must leave room for one generated token and, with a
     string ``answer``, for the answer and EOS (a prompt is never truncated: ``overlong.prompts`` is error or drop)."""
-    records, kept, longest = [], [], 0
+    records, kept, keys, longest = SpilledRecords(), array("q"), [], 0
     for i, rec in enumerate(raw.records):
         if over.too_many_chars(texts_of(rec["prompt"])):
             over.fit(i, None, "prompt", "the prompt")
@@ -413,40 +432,41 @@ def encode_prompts(raw: RawData, render: Renderer, seq_length: int, over: Overlo
         longest = max(longest, n)
         records.append({**rec, "answer": answer, "prompt_ids": prompt_ids})
         kept.append(i)
+        keys.append(key_digest(key_text(rec["prompt"]), seed))
     _require_some(raw, kept, over)
-    return Encoded(keys=[key_text(raw.records[i]["prompt"]) for i in kept], records=records, max_tokens=longest,
-                   overlong=over.metrics())
+    return Encoded(keys=keys, records=records, max_tokens=longest, overlong=over.metrics())
 
 
-def encode_regression(raw: RawData, render: Renderer, seq_length: int, over: Overlong) -> Encoded:
+def encode_regression(raw: RawData, render: Renderer, seq_length: int, over: Overlong, seed: int) -> Encoded:
     """SteerLM-style records -> SFT-like arrays (loss_mask marks the response) + ``reward_labels`` [N, A] float32
     (NaN = missing label), attributes in sorted order (``Encoded.attributes``, copied into the sidecar meta)."""
-    samples, kept = RaggedBuilder(), []
+    samples, kept, keys, labels, names = RaggedBuilder(), array("q"), [], [], set()
     for i, rec in enumerate(raw.records):
+        names.update(rec["labels"])
         sample = _prompt_response_sample(raw, i, render, over, rec["prompt"], rec["response"], "response")
         if sample is not None:
             samples.append(sample)
             kept.append(i)
-    names = sorted({k for r in raw.records for k in r["labels"]})
-    labels = np.array(
-        [[np.nan if raw.records[i]["labels"].get(k) is None else float(raw.records[i]["labels"][k]) for k in names]
-         for i in kept],
-        dtype=np.float32,
-    ).reshape(len(kept), len(names))  # [N, A]
-    enc = _arrays_encoded(raw, kept, [raw.records[i]["prompt"] for i in kept], samples, seq_length, render.tok, over)
+            keys.append(key_digest(rec["prompt"], seed))
+            labels.append(rec["labels"])
+    attributes = sorted(names)
+    table = np.array(
+        [[np.nan if row.get(k) is None else float(row[k]) for k in attributes] for row in labels], dtype=np.float32,
+    ).reshape(len(labels), len(attributes))  # [N, A]
+    enc = _arrays_encoded(raw, kept, keys, samples, seq_length, render.tok, over)
     assert enc.arrays is not None
-    enc.arrays["reward_labels"] = labels
-    enc.attributes = names
+    enc.arrays["reward_labels"] = table
+    enc.attributes = attributes
     return enc
 
 
-def _require_some(raw: RawData, kept: list[int], over: Overlong) -> None:
+def _require_some(raw: RawData, kept: Sequence[int], over: Overlong) -> None:
     if not kept:
         raise raw.error(0, None, f"every sample is longer than model.seq_length = {over.seq_length} "
                                  f"(data_prep.overlong.{raw.kind} = {over.policy}): nothing is left")
 
 
-def _arrays_encoded(raw: RawData, kept: list[int], keys: list[str], samples: RaggedBuilder, seq_length: int,
+def _arrays_encoded(raw: RawData, kept: Sequence[int], keys: list[bytes], samples: RaggedBuilder, seq_length: int,
                     tok: TextTokenizer, over: Overlong) -> Encoded:
     _require_some(raw, kept, over)
     return Encoded(keys=keys, arrays=samples.arrays(), max_tokens=samples.longest, overlong=over.metrics())
@@ -466,7 +486,7 @@ def encode(raw: RawData, tok: TextTokenizer, seq_length: int, config: DataPrepCo
     config = config or DataPrepConfig()
     render = renderer_for(tok, config.tokenizer.use_chat_template).for_file(raw)
     over = Overlong(raw, tok, seq_length, getattr(config.overlong, raw.kind))
-    return ENCODERS[raw.kind](raw, render, seq_length, over)
+    return ENCODERS[raw.kind](raw, render, seq_length, over, config.seed)
 
 
 def split_encoded(
@@ -474,7 +494,7 @@ def split_encoded(
 ) -> dict[str, ArrayBundle | RecordBundle]:
     """``{"train": bundle, "val": bundle}`` with the sidecar metadata of each artifact."""
     val_fraction = config.val_fraction_for(raw.kind)
-    train, val = split_indices(enc.keys, val_fraction, config.seed)
+    train, val = split_digests(enc.keys, val_fraction)
     out: dict[str, ArrayBundle | RecordBundle] = {}
     for split, idx in zip(SPLITS, (train, val)):
         meta = {
@@ -493,11 +513,10 @@ def split_encoded(
         if enc.attributes is not None:
             meta["attributes"] = enc.attributes
         if enc.arrays is not None:
-            ix = np.asarray(idx, dtype=np.int64)
-            out[split] = ArrayBundle(arrays=select(enc.arrays, ix), meta=meta)
+            out[split] = ArrayBundle(arrays=select(enc.arrays, idx), meta=meta)  # spilled tokens: selected lazily
         else:
             assert enc.records is not None
-            out[split] = RecordBundle(records=[enc.records[i] for i in idx], meta=meta)
+            out[split] = RecordBundle(records=enc.records.take(idx), meta=meta)
     return out
 
 
@@ -505,6 +524,8 @@ __all__ = [
     "DataPrepConfig",
     "Encoded",
     "encode",
+    "key_digest",
+    "split_digests",
     "split_encoded",
     "split_indices",
 ]

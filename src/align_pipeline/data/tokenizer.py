@@ -290,8 +290,10 @@ def _replace_dir(src: Path, dst: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _char_tokenizer(texts: list[str], vocab_size: int, min_frequency: int) -> Tokenizer:
-    counts = Counter(ch for t in texts for ch in t)
+def _char_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int) -> Tokenizer:
+    counts: Counter[str] = Counter()
+    for t in texts:
+        counts.update(t)
     kept = [c for c, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if n >= min_frequency]
     kept = sorted(kept[: vocab_size - len(SPECIAL_TOKENS)])  # most frequent first, then by code point
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + kept)}
@@ -302,7 +304,7 @@ def _char_tokenizer(texts: list[str], vocab_size: int, min_frequency: int) -> To
     return tok
 
 
-def _bpe_tokenizer(texts: list[str], vocab_size: int, min_frequency: int) -> Tokenizer:
+def _bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int) -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token=UNK))
     # Digits stay single tokens (arithmetic); whitespace is its own token; merges happen inside the rest.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -319,7 +321,7 @@ def _bpe_tokenizer(texts: list[str], vocab_size: int, min_frequency: int) -> Tok
 def train_tokenizer(texts: Iterable[str], config: TokenizerConfig | None = None) -> TextTokenizer:
     """Train a small tokenizer on ``texts`` (deterministic) with ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3."""
     config = config or TokenizerConfig()
-    texts = [t for t in texts if t]
+    texts = (t for t in texts if t)  # read once: the texts of a large file are never all held
     if config.kind == "char":
         tok = _char_tokenizer(texts, config.vocab_size, config.min_frequency)
     elif config.kind == "bpe":

@@ -64,7 +64,7 @@ def fit_tokenizer(raw: dict[str, RawData], params: dict[str, Any]) -> TextTokeni
     if config.tokenizer.hf_model_dir and is_nemo(config.tokenizer.hf_model_dir):
         config.tokenizer = dataclasses.replace(config.tokenizer,
                                                hf_model_dir=str(nemo_hf_dir(config.tokenizer.hf_model_dir)))
-    texts = [t for data in raw.values() for rec in data.records for t in record_texts(rec)]
+    texts = (t for data in raw.values() for rec in data.records for t in record_texts(rec))  # one pass, streamed
     return build_tokenizer(config.tokenizer, texts)
 
 
