@@ -255,6 +255,12 @@ def test_jsonl_parquet_save_to_disk_and_tables_give_the_same_records(tmp_path, m
     import datasets
 
     assert read_raw(datasets.load_from_disk(str(hf)), "prompts").records == expected
+    import polars as pl
+
+    frame, lazy = pl.read_parquet(parquet), pl.scan_parquet(parquet)
+    assert read_raw(frame, "prompts", name="raw_prompts").records == expected
+    lazy_raw = read_raw(lazy, "prompts", name="raw_prompts")
+    assert lazy_raw.records == expected and lazy_raw.source == "raw_prompts (polars.LazyFrame)"
 
 
 def test_bad_storage_names_file_row_and_field(tmp_path):

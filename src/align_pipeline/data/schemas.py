@@ -50,6 +50,7 @@ from .layouts import (
     key_text,
     normalize,
     texts_of,
+    type_name,
 )
 
 Kind = Literal["sft", "preference", "prompts"]
@@ -94,21 +95,6 @@ class _FieldError(Exception):
         self.problem = problem
 
 
-_JSON_TYPE_NAMES = {
-    str: "string",
-    int: "int",
-    float: "float",
-    bool: "bool",
-    list: "list",
-    dict: "object",
-    type(None): "null",
-}
-
-
-def _type_name(value: Any) -> str:
-    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
-
-
 def _expect_str(obj: dict, key: str, where: str | None = None, required: bool = True) -> None:
     name = where or key
     if key not in obj:
@@ -116,14 +102,14 @@ def _expect_str(obj: dict, key: str, where: str | None = None, required: bool = 
             raise _FieldError(name, "missing (required)")
         return
     if not isinstance(obj[key], str):
-        raise _FieldError(name, f"expected a string, got {_type_name(obj[key])}")
+        raise _FieldError(name, f"expected a string, got {type_name(obj[key])}")
 
 
 def _expect_number(obj: dict, key: str) -> None:
     if key in obj:
         v = obj[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise _FieldError(key, f"expected a number, got {_type_name(v)}")
+            raise _FieldError(key, f"expected a number, got {type_name(v)}")
 
 
 def _reject_extra(obj: dict, allowed: set[str], prefix: str = "") -> None:
@@ -150,13 +136,13 @@ def _check_sft(obj: dict) -> None:
             raise _FieldError("mask", f'only "User" is supported (loss on Assistant turns), got {obj["mask"]!r}')
         convs = obj["conversations"]
         if not isinstance(convs, list):
-            raise _FieldError("conversations", f"expected a list of turns, got {_type_name(convs)}")
+            raise _FieldError("conversations", f"expected a list of turns, got {type_name(convs)}")
         if not convs:
             raise _FieldError("conversations", "empty list (need at least one Assistant turn)")
         for i, turn in enumerate(convs):
             where = f"conversations[{i}]"
             if not isinstance(turn, dict):
-                raise _FieldError(where, f'expected an object {{"from", "value"}}, got {_type_name(turn)}')
+                raise _FieldError(where, f'expected an object {{"from", "value"}}, got {type_name(turn)}')
             _reject_extra(turn, TURN_FIELDS, prefix=f"{where}.")
             _expect_str(turn, "from", f"{where}.from")
             if turn["from"] not in ROLES:
@@ -205,11 +191,11 @@ def _check_regression(obj: dict) -> None:
     labels = obj["labels"]
     if not isinstance(labels, dict) or not labels:
         raise _FieldError(
-            "labels", f"expected a non-empty object {{attribute: number or null}}, got {_type_name(labels)}"
+            "labels", f"expected a non-empty object {{attribute: number or null}}, got {type_name(labels)}"
         )
     for name, value in labels.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise _FieldError(f"labels.{name}", f"expected a number or null (missing), got {_type_name(value)}")
+            raise _FieldError(f"labels.{name}", f"expected a number or null (missing), got {type_name(value)}")
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -249,7 +235,7 @@ def validate_record(obj: Any, kind: str, layout: str | None = None) -> dict[str,
     ``_FieldError`` / :class:`~.layouts.LayoutError` (internal) when ``obj`` is not a valid record of ``kind`` in
     ``layout`` (default: the one its keys name)."""
     if not isinstance(obj, dict):
-        raise _FieldError(None, f"expected a JSON object, got {_type_name(obj)}")
+        raise _FieldError(None, f"expected a JSON object, got {type_name(obj)}")
     layout = layout or detect(obj, kind) or _DEFAULT_LAYOUT[kind]
     if layout == "nemo_text" and kind == "preference":
         _check_text(obj)

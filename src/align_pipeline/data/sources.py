@@ -157,16 +157,15 @@ def _table_rows(table: Any, source: str) -> Iterator[Row]:
     elif module == "polars":
         import polars as pl
 
-        if isinstance(table, pl.LazyFrame):
-            number, offset = 0, 0
-            while True:
-                chunk = table.slice(offset, BATCH).collect()
-                if chunk.height == 0:
-                    return
+        if isinstance(table, pl.LazyFrame):  # its batches, from polars' streaming engine (the plan runs once)
+            number = 0
+            chunks = (table.collect_batches(chunk_size=BATCH, maintain_order=True) if hasattr(table, "collect_batches")
+                      else (table.slice(i, BATCH).collect() for i in range(0, table.select(pl.len()).collect().item(),
+                                                                            BATCH)))  # polars before 1.32
+            for chunk in chunks:
                 for row in chunk.iter_rows(named=True):
                     number += 1
                     yield number, row, True
-                offset += chunk.height
         else:
             for number, row in enumerate(table.iter_rows(named=True), start=1):
                 yield number, row, True
