@@ -1,6 +1,6 @@
-"""Packing benchmark: non-padding tokens/s of the SFT stage, packed vs padded rows, same model, data and steps.
+"""Packing benchmark: non-padding tokens/s of the SFT stage, packed vs padded vs dense rows, same model and steps.
 
-    python benchmarks/packing.py --preset 1b_4k --steps 16 --warmup 4 --out /tmp/packing
+    python benchmarks/packing.py --preset 1b_4k --steps 16 --warmup 4 --layouts dense packed packed_varlen --out /tmp/pk
 
 Both runs are real torchrun jobs of the SFT entry point (``align_pipeline.train.sft``) through the project's launcher
 (NCCL + bf16 on a GPU, gloo + fp32 on CPU), from one random HF Llama checkpoint written here with ``transformers``, on
@@ -14,6 +14,10 @@ Transformer Engine). Each step trains on ``--global-batch`` rows of ``seq_length
   SFT sets such as ShareGPT / UltraChat in Llama-3 tokens. Tokens are drawn from a Zipf-like unigram.
 * Non-padding tokens/s: the trainer's per-step ``step_tokens`` (real tokens of the global batch) over its per-step
   wall times, for the steps after ``--warmup`` (the first steps include compilation).
+* ``--layouts``: ``padded`` (the chat lengths, one sample a row), ``packed`` (the chat lengths packed; on a GPU the
+  packed attention is FlexAttention with a block mask), ``packed_varlen`` (the same with
+  ``ALIGN_PACKED_ATTENTION=varlen``: PyTorch's variable-length FlashAttention), ``dense`` (every sample exactly
+  ``seq_length`` tokens: the dense path's tokens/s per real token, what packing is measured against).
 
 Writes ``<out>/packing.json`` and ``<out>/packing.md`` (the docs/benchmarks.md section).
 """
@@ -42,8 +46,10 @@ def chat_lengths(n: int, median: float, sigma: float, seq_length: int, seed: int
     return np.clip(np.round(rng.lognormal(np.log(median), sigma, size=n)), 16, seq_length).astype(np.int64)
 
 
-def make_chat_data(out: Path, preset: dict[str, int], n: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Tokenizer dir + train/val npz (ragged, with sidecars) of synthetic samples of chat-like lengths."""
+def make_chat_data(out: Path, preset: dict[str, int], n: int, args: argparse.Namespace,
+                   dense: bool = False) -> dict[str, Any]:
+    """Tokenizer dir + train/val npz (ragged, with sidecars) of synthetic samples of chat-like lengths (``dense``:
+    every sample ``seq_length`` tokens)."""
     from align_pipeline.data.formats import save_npz
     from align_pipeline.data.store import ragged
     from align_pipeline.data.tokenizer import TokenizerConfig, build_tokenizer
@@ -57,6 +63,8 @@ def make_chat_data(out: Path, preset: dict[str, int], n: int, args: argparse.Nam
     paths: dict[str, Any] = {"tokenizer": str(out / "tokenizer")}
     for split, rows in (("train", n), ("val", 64)):
         lengths = chat_lengths(rows, args.median, args.sigma, S, args.seed + (split == "val"))
+        if dense:
+            lengths = np.full(rows, S, dtype=np.int64)
         samples = []
         for L in lengths:
             ids = [1] + (4 + rng.choice(vocab - 4, size=int(L) - 1, p=zipf)).tolist()
@@ -117,26 +125,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     preset = PRESETS[args.preset]
     n = max(args.global_batch * args.steps * 8, 512)  # packed rows hold several samples: enough for every step
     data = make_chat_data(out / "data", preset, n, args)
+    dense = (make_chat_data(out / "data_dense", preset, args.global_batch * (args.steps + 1), args, dense=True)
+             if "dense" in args.layouts else None)
     hf_dir, params = make_hf_init(out / "hf_init", preset, args.seed)
     print(f"[packing] preset {args.preset}: {params / 1e6:.1f}M parameters, seq {preset['seq_length']}, "
           f"lengths {data['lengths']}", flush=True)
     rows = []
-    for packing in (False, True):
-        name = "packed" if packing else "padded"
+    for name in args.layouts:
         run_dir = out / "runs" / name
         run_dir.mkdir(parents=True, exist_ok=True)
-        job = sft_job(packing, args, data, hf_dir, run_dir, bf16)
+        job = sft_job(name.startswith("packed"), args, dense if name == "dense" else data, hf_dir, run_dir, bf16)
+        env = {"ALIGN_PACKED_ATTENTION": "varlen" if name == "packed_varlen" else "flex"}
         result = run_torchrun("align_pipeline.train.sft", to_dict(job), LaunchConfig(nproc_per_node=1), run_dir,
-                              name=f"sft {name}")
+                              name=f"sft {name}", env=env)
         row = {"layout": name, **steady(result, args.warmup), "peak_memory_gib": result.get("peak_memory_gib"),
                "losses": [h["loss"] for h in result["history"]], "val_loss": result["val_loss"]}
         rows.append(row)
         print(f"[packing] {name}: {row['tokens_per_s']:,.0f} non-padding tokens/s, {row['step_time_s']:.3f} s/step, "
               f"{row['tokens_per_step']:,.0f} tokens/step, val loss {row['val_loss']:.4f}", flush=True)
-    speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    by = {r["layout"]: r["tokens_per_s"] for r in rows}
+    ratios = {f"{a}/{b}": by[a] / by[b] for a in ("packed", "packed_varlen") for b in ("dense", "padded", "packed")
+              if a in by and b in by and a != b}
     report = {**run_header(), "preset": args.preset, "parameters": params,
               "precision": "bf16" if bf16 else "fp32", "settings": vars(args), "lengths": data["lengths"],
-              "rows": rows, "speedup": speedup}
+              "rows": rows, "ratios": ratios}
     (out / "packing.json").write_text(json.dumps(report, indent=2))
     (out / "packing.md").write_text(markdown(report))
     print(markdown(report), flush=True)
@@ -153,7 +165,8 @@ def markdown(report: dict[str, Any]) -> str:
          f"steps {s['warmup'] + 1}-{s['steps']})  "),
         (f"Sample lengths: log-normal, median {s['median']}, sigma {s['sigma']}, clipped to [16, seq]: mean "
          f"{L['mean']:.0f}, median {L['median']:.0f}, p90 {L['p90']:.0f}, max {L['max']} tokens; padded rows are "
-         f"{100 * L['padding_share']:.0f} % padding"),
+         f"{100 * L['padding_share']:.0f} % padding (dense rows: every sample {PRESETS[report['preset']]['seq_length']} "
+         "tokens)"),
         "",
         "| rows | non-padding tokens/s | s/step | non-padding tokens/step | peak GiB | loss first -> last | val loss |",
         "|---|---|---|---|---|---|---|",
@@ -163,7 +176,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {r['layout']} | {r['tokens_per_s']:,.0f} | {r['step_time_s']:.3f} | "
                      f"{r['tokens_per_step']:,.0f} | {mem} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} | "
                      f"{r['val_loss']:.4f} |")
-    lines.append(f"\nPacked / padded non-padding tokens/s: **{report['speedup']:.2f}x**")
+    lines.append("")
+    for name, ratio in report["ratios"].items():
+        lines.append(f"- {name} non-padding tokens/s: **{ratio:.2f}x**")
     return "\n".join(lines) + "\n"
 
 
@@ -179,6 +194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--fp32", action="store_true", help="fp32 on GPUs too (bf16 is the GPU default)")
+    p.add_argument("--layouts", nargs="+", choices=["padded", "packed", "packed_varlen", "dense"],
+                   default=["padded", "packed"], help="the runs, in this order (see the module docstring)")
     p.add_argument("--out", required=True, help="working directory: data, HF init, runs, packing.json/.md")
     return p.parse_args(argv)
 

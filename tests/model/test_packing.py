@@ -127,3 +127,38 @@ def test_packed_equals_padded_on_gpu_with_flex_attention(tmp_path):
     for pooling in ("mean", "last"):
         np.testing.assert_allclose(r[f"pair_reward_{pooling}_packed"], r[f"pair_reward_{pooling}_padded"], rtol=0,
                                    atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 4])
+def test_varlen_packed_attention_equals_the_masked_reference_on_gpu(groups):
+    """bf16 packed attention through PyTorch's variable-length FlashAttention (the GPU's packed path): output and
+    gradients equal causal attention under the block-diagonal mask, computed in fp32 from the same inputs."""
+    import torch
+    import torch.nn.functional as F
+
+    from align_pipeline.model.attention import _causal_keep_mask, _varlen, segment_ids, varlen_attention_available
+
+    if not varlen_attention_available(required=True):
+        pytest.skip("this torch has no torch.nn.attention.varlen with a causal window")
+    torch.manual_seed(0)
+    lengths = [5, 130, 1, 77, 300, 64]
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()], device="cuda", dtype=torch.int32)
+    t, heads, dim = int(cu[-1]), 8, 64
+    q = torch.randn(t, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(t, heads // groups, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    out = _varlen(q, k, v, cu, max(lengths), dim**-0.5, groups)  # [t, heads, dim]
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    segment = segment_ids(cu, t)
+    keep = (segment[:, None] == segment[None, :]) & _causal_keep_mask(t, t, q.device)
+    ref = F.scaled_dot_product_attention(q32.transpose(0, 1), k32.repeat_interleave(groups, 1).transpose(0, 1),
+                                         v32.repeat_interleave(groups, 1).transpose(0, 1), attn_mask=keep,
+                                         scale=dim**-0.5).transpose(0, 1)
+    ref.backward(grad.float())
+    assert (out.float() - ref).abs().max().item() < 2e-2
+    for name, mine, theirs in (("q", q, q32), ("k", k, k32), ("v", v, v32)):
+        assert (mine.grad.float() - theirs.grad).abs().max().item() < 5e-2, name

@@ -7,11 +7,17 @@ sharded state dict, tensor-parallel head split) and replaces only ``forward`` wi
 FlashAttention / memory-efficient kernels on GPU and a fused kernel on CPU.
 
 Packed sequences (Megatron's ``packed_seq_params``, "thd": the samples of a micro-batch concatenated) attend within
-their segment only: on GPU through FlexAttention with a block mask (no Transformer Engine needed), elsewhere through
-SDPA with the block-diagonal causal mask. With Transformer Engine's spec, TE's own packed attention does this.
+their segment only: on a GPU through FlexAttention with a block mask, on CPU through SDPA with the block-diagonal
+causal mask. No Transformer Engine needed; with TE's spec, TE's own packed attention does this.
+``ALIGN_PACKED_ATTENTION=varlen`` (bf16/fp16 on a GPU, torch >= 2.10) uses PyTorch's variable-length FlashAttention
+instead (``torch.nn.attention.varlen``: each segment's causal attention from the ``cu_seqlens`` offsets, no mask);
+opt-in until ``benchmarks/packing.py --layouts dense packed packed_varlen`` has measured it against FlexAttention.
 """
 
 from __future__ import annotations
+
+import inspect
+import os
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +106,9 @@ class SDPAttention(DotProductAttention):
         t, np_, hn = query.shape
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # [1, h, t, hn]
+        if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and varlen_attention_available():
+            context = _varlen(query, key, value, params.cu_seqlens_q, params.max_seqlen_q, self.softmax_scale, groups)
+            return context.reshape(t, np_ * hn)  # [t, np*hn]
         segment = segment_ids(params.cu_seqlens_q, t)  # [t]
         if query.is_cuda and flex_attention_available():
             block_mask = getattr(params, "_align_block_mask", None)  # one per forward, shared by every layer
@@ -128,6 +137,37 @@ def flex_attention_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def varlen_attention_available(required: bool = False) -> bool:
+    """PyTorch's variable-length FlashAttention with a causal window (torch >= 2.10) is there and asked for
+    (``ALIGN_PACKED_ATTENTION=varlen``; ``required``: whether it is there)."""
+    if not required and os.environ.get("ALIGN_PACKED_ATTENTION", "flex") != "varlen":
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "window_size" in inspect.signature(varlen_attn).parameters
+
+
+def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+            max_seqlen: int | None, scale: float | None, groups: int) -> torch.Tensor:
+    """Causal attention within each packed segment: query [t, np, hn], key/value [t, ng, hn] -> [t, np, hn]."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    names = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": (-1, 0), "scale": scale}  # (-1, 0): every earlier key of the segment, none after
+    if groups > 1:
+        if "enable_gqa" in names:
+            kwargs["enable_gqa"] = True
+        else:  # torch 2.10-2.11: each key/value head repeated for its query heads
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    cu = cu_seqlens.to(torch.int32)
+    if max_seqlen is None:
+        max_seqlen = int((cu[1:] - cu[:-1]).max())
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    return varlen_attn(query, key, value, cu, cu, int(max_seqlen), int(max_seqlen), **kwargs)
 
 
 _FLEX = None
