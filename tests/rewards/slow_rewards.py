@@ -19,3 +19,9 @@ def logged(prompt: str, response: str, record: dict) -> float:
     with open(record["log"], "a") as f:
         f.write(response + "\n")
     return float(len(response))
+
+
+def raises_on_request(prompt: str, response: str, record: dict) -> float:
+    if "raise" in response:
+        raise ArithmeticError(f"cannot score {response!r}")
+    return 1.0

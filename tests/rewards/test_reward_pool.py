@@ -65,3 +65,17 @@ def test_responses_submitted_as_they_end_are_computed_once(monkeypatch, tmp_path
         assert len(log.read_text().split()) == 9
     finally:
         pool.close()
+
+
+def test_an_exception_in_a_function_is_raised_and_the_workers_end(monkeypatch):
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))
+    pool = RewardPool(["slow_rewards:raises_on_request"], workers=2, timeout_s=30.0)
+    try:
+        with pytest.raises(ArithmeticError, match="cannot score 'please raise'"):
+            pool.values([("p", "ok", {}), ("p", "please raise", {}), ("p", "fine", {})])
+        assert pool._pool is None  # terminated: nothing left running to hold up the job's exit
+        assert pool.values([("p", "ok", {})]) == ([[1.0]], 0)  # a fresh pool afterwards
+    finally:
+        pool.close()

@@ -29,6 +29,7 @@ _EXPORTS = {
     "EvaluationJob": "evaluation",
     "EvaluationPaths": "evaluation",
     "ExportConfig": "common",
+    "EnvConfig": "common",
     "GenerationConfig": "common",
     "KLConfig": "common",
     "LaunchConfig": "common",

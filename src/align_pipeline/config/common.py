@@ -461,9 +461,45 @@ class RewardConfig(ScoringConfig):
         require_range(self, where, "overlong_penalty", 0)
         require_at_least(self, where, 0, "overlong_buffer", "workers")
         require_range(self, where, "timeout_s", 0, low_open=True)
-        if self.reward_model_weight == 0 and not any(f.weight for f in self.functions):
-            raise ConfigError(f"{where}: no reward: reward_model_weight is 0 and no entry of {where}.functions has a "
-                              "non-zero weight")
+
+    def has_reward(self) -> bool:
+        """A reward model or a function with a non-zero weight (an RL section needs one, or an environment)."""
+        return bool(self.reward_model_weight) or any(f.weight for f in self.functions)
+
+
+@dataclass
+class EnvConfig:
+    """``<stage>.env``: multi-turn rollouts against an environment (:mod:`align_pipeline.envs`) instead of one
+    response per prompt. Each episode starts from the environment's ``reset(record)``; the policy's turns are
+    generated (all live episodes batched), the environment's turns appended through the chat template, and the loss
+    covers the policy's tokens only. The score of an episode: ``reward_weight`` x the sum of its turn rewards, plus
+    the ``reward`` section's terms over its last policy turn."""
+
+    name: str | None = None
+    """``module:Class`` of the environment (built-ins: ``align_pipeline.envs.builtin:Calculator``,
+    ``:StepVerifier``); None = single-turn rollouts, scored by ``reward`` alone."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    max_turns: int = 4
+    """Policy turns per episode at most."""
+    max_tokens: int = 0
+    """Tokens an episode may add after its first prompt (policy and environment turns); 0 = up to the model's
+    seq_length. A policy turn also stops at ``generation.max_new_tokens``."""
+    reward_weight: float = 1.0
+    """Weight of the episode's return (the sum of its turn rewards) in its score."""
+    workers: int = 2
+    """Worker processes per rank that run the environment (:mod:`align_pipeline.envs.pool`)."""
+    step_timeout_s: float = 30.0
+    """A reset or step call that runs longer ends its episode (that turn scores 0; counted: ``env/timeouts``)."""
+
+    def validate(self, where: str = "env") -> None:
+        require_at_least(self, where, 1, "max_turns", "workers")
+        require_at_least(self, where, 0, "max_tokens")
+        require_range(self, where, "step_timeout_s", 0, low_open=True)
+        if self.name is not None:
+            from align_pipeline.envs.base import load_environment_class
+
+            load_environment_class(self.name, f"{where}.name")
 
 
 @dataclass

@@ -89,6 +89,7 @@ class ReinforceConfig(RLConfig):
     """DAPO's dynamic sampling: groups without signal dropped, the batch refilled (off by default)."""
 
     def validate(self, where: str = "reinforce") -> None:
+        super().validate(where)
         if self.generation.samples_per_prompt < 2:
             raise ConfigError(
                 f"{where}.generation.samples_per_prompt={self.generation.samples_per_prompt}: group "

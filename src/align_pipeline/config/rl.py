@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from align_pipeline.config.base import ConfigError, require_range
 from align_pipeline.config.checks import check_reward_model, check_stage_parallel
 from align_pipeline.config.common import (
+    EnvConfig,
     GenerationConfig,
     KLConfig,
     OffloadConfig,
@@ -50,6 +51,14 @@ class RLConfig(StageRunConfig):
     """CPU offload of frozen models / optimizer states between phases (GPU memory)."""
     gate: RLGateConfig = field(default_factory=RLGateConfig)
     """Thresholds the inputs must meet before the stage starts (the reward model's accuracy)."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """A multi-turn environment the policy acts in (``env.name``); none by default (one response per prompt)."""
+
+    def validate(self, where: str = "rl") -> None:
+        if not self.reward.has_reward() and not (self.env.name and self.env.reward_weight):
+            raise ConfigError(f"{where}.reward: no reward: reward_model_weight is 0 and no entry of {where}.reward."
+                              "functions has a non-zero weight" + (" (nor an env with a reward_weight)"
+                                                                   if self.env.name else ""))
 
 
 def check_rl_job(stage: str, section: RLConfig, parallel: ParallelConfig, paths: RLPaths, where: str) -> None:

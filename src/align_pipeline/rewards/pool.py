@@ -83,6 +83,9 @@ class RewardPool:
                     except multiprocessing.TimeoutError:
                         late = i
                         break
+                    except Exception:  # the function raised: end the workers first (a pool left running holds up
+                        self.close()  # the job's exit), then raise it in the job
+                        raise
                 if late is None:
                     break
                 results[late] = [0.0] * len(self.specs)  # ran over: 0 on every function, counted

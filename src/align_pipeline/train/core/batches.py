@@ -252,13 +252,14 @@ class PromptStream:
 
 
 def to_rows(prompt_ids: list[list[int]], responses: list[list[int]], seq_length: int, pad_id: int,
-            logprobs: list[list[float]] | None = None) -> dict:
+            logprobs: list[list[float]] | None = None, masks: list[list[bool]] | None = None) -> dict:
     """prompt + response token lists -> right-padded input_ids/labels/loss_mask [n, s] numpy arrays (+ with
     ``logprobs``, one per response token, ``rollout_logp`` [n, s] float32 at the same positions, 0 elsewhere).
 
     ``loss_mask[i, t] = 1`` when label t (= token t+1) is a response token, so per-token tensors of the RL math
     ([n, s], position t = the action y_{t+1} taken in state ids[:t+1]) line up with the model's outputs at input
-    position t.
+    position t. ``masks`` (one flag per response token): which response tokens are the policy's (a multi-turn
+    episode's environment turns are not); all of them when None.
     """
     n = len(prompt_ids)
     ids = np.full((n, seq_length), pad_id, dtype=np.int64)
@@ -267,7 +268,7 @@ def to_rows(prompt_ids: list[list[int]], responses: list[list[int]], seq_length:
     for i, (p, r) in enumerate(zip(prompt_ids, responses)):
         seq = (p + r)[:seq_length]
         ids[i, : len(seq)] = seq
-        mask[i, len(p) - 1 : len(seq) - 1] = 1.0  # label t = token t+1 is a response token
+        mask[i, len(p) - 1 : len(seq) - 1] = 1.0 if masks is None else masks[i][: len(seq) - len(p)]  # label t = token t+1
         if engine is not None:
             kept = len(seq) - len(p)  # response tokens that fit
             engine[i, len(p) - 1 : len(seq) - 1] = logprobs[i][:kept]

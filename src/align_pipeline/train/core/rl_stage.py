@@ -32,6 +32,7 @@ from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core import rollout
 from align_pipeline.train.core.batches import PromptStream
 from align_pipeline.train.core.distributed import Dist, init_distributed
+from align_pipeline.train.core.episodes import add_returns, episodes_rollout, run_episodes
 from align_pipeline.train.core.metrics import Timings, throughput
 from align_pipeline.train.core.offload import Offload
 from align_pipeline.train.core.optimizer import Trainable, build_frozen
@@ -69,6 +70,11 @@ class RLStage:
             from align_pipeline.rewards.pool import RewardPool
 
             self.reward_pool = RewardPool([t.spec for t in self.reward_fns.terms], reward.workers, reward.timeout_s)
+        self.env, self.env_pool = self.cfg.env, None
+        if self.env.name is not None and self.dist.tp_rank == 0:  # the group's other ranks get its answers
+            from align_pipeline.envs.pool import EnvPool
+
+            self.env_pool = EnvPool(self.env.name, self.env.config, self.env.workers, self.env.step_timeout_s)
         self.reference, self.rm, self.rm_forward = load_judges(
             self.paths, self.cfg.reward, self.job.model.attention_backend, self.job.parallel, self.dist, where,
             lora_policy=bool(self.cfg.lora.rank), kl_reference=kl_reference)
@@ -133,14 +139,22 @@ class RLStage:
         for round_ in range(rounds):
             records = self.prompts.local(iteration) if round_ == 0 else self.prompts.extra(iteration, round_)
             offload.frozen_to("cpu")  # (a no-op before the first round)
+            seed = rollout.iteration_seed(gen.seed, iteration, dist.dp_rank, round_)
+            episodes = None
             with timings("timing/generate_s"):
-                r = rollout.generate_rollout(actor.model, records, gen, self.tok, self.vocab, dist, self.seq_length,
-                                             rollout.iteration_seed(gen.seed, iteration, dist.dp_rank, round_),
-                                             pool=self.reward_pool)
+                if self.env.name is not None:  # multi-turn: the environment's steps are part of the rollout
+                    episodes = run_episodes(actor.model, records, gen, self.env, self.env_pool, self.tok, self.vocab,
+                                            dist, self.seq_length, seed)
+                    r = episodes_rollout(episodes, self.tok, dist, self.seq_length)
+                else:
+                    r = rollout.generate_rollout(actor.model, records, gen, self.tok, self.vocab, dist,
+                                                 self.seq_length, seed, pool=self.reward_pool)
             with timings("timing/score_s"):
                 offload.frozen_to(dist.device)
                 scores = rollout.score(r, self.cfg.reward, self.reward_fns, self.rm, self.rm_forward, self.mbs, dist,
                                        max_tokens=gen.max_new_tokens, pool=self.reward_pool)
+                if episodes is not None:
+                    scores = add_returns(scores, episodes, self.env, dist.device)
             if rounds == 1:
                 return r, scores
             parts.append((r, scores))
@@ -173,7 +187,7 @@ class RLStage:
         m["timing/iteration_s"] = time.perf_counter() - t0
         if rl.eval_interval and iteration % rl.eval_interval == 0 and iteration < rl.iterations:
             m.update(rollout.validation_accuracy(actor.model, self.val_records, self.gen, self.tok, self.vocab,
-                                                 self.dist, self.seq_length, self.reward_fns))
+                                                 self.dist, self.seq_length, self.reward_fns, self.env, self.env_pool))
         self.runlog.record(iteration, m, {"iteration": iteration, **m}, force="val/greedy_accuracy" in m)
         if self.ckpts.after_step(iteration, train_state):
             return self.runlog.stopped(iteration, self.run_dir, self.ckpts.started_at)
@@ -183,10 +197,11 @@ class RLStage:
                per_model: dict[str, dict[str, Any]] | None = None) -> dict:
         """Final validation (greedy and sampled accuracy), checkpoint, export of every trained model; the result."""
         final = rollout.validation_accuracy(actor.model, self.val_records, self.gen, self.tok, self.vocab, self.dist,
-                                            self.seq_length, self.reward_fns)
+                                            self.seq_length, self.reward_fns, self.env, self.env_pool)
         self.logger.log_metrics(final, iteration)
-        if self.reward_pool is not None:
-            self.reward_pool.close()
+        for pool in (self.reward_pool, self.env_pool):
+            if pool is not None:
+                pool.close()
         log(self.dist, f"[{self.name}] done: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
         self.ckpts.save(iteration, train_state)
         meta = export_meta(self.name, self.job, self.tok, final, m, kl_reference=self.kl_reference)

@@ -43,6 +43,8 @@ class Rollout:
     """Rows the generation decoded at once."""
     refills: int = 0
     """Times free rows were given pending samples (continuous batching)."""
+    episode_stats: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """Multi-turn episodes (:mod:`.episodes`): per-row numbers of the ``env/*`` metrics."""
 
     @property
     def n(self) -> int:
@@ -53,7 +55,8 @@ class Rollout:
         rows_idx = torch.tensor(idx, dtype=torch.long, device=next(iter(self.rows.values())).device)
         return Rollout([self.records[i] for i in idx], [self.tokens[i] for i in idx],
                        [self.ended_with_eos[i] for i in idx], {k: v[rows_idx] for k, v in self.rows.items()},
-                       [self.texts[i] for i in idx], self.slots, self.refills)
+                       [self.texts[i] for i in idx], self.slots, self.refills,
+                       {k: [v[i] for i in idx] for k, v in self.episode_stats.items()})
 
     @staticmethod
     def join(parts: list[Rollout]) -> Rollout:
@@ -62,7 +65,8 @@ class Rollout:
                        [x for p in parts for x in p.ended_with_eos],
                        {k: torch.cat([p.rows[k] for p in parts]) for k in parts[0].rows},
                        [x for p in parts for x in p.texts], max(p.slots for p in parts),
-                       sum(p.refills for p in parts))
+                       sum(p.refills for p in parts),
+                       {k: [x for p in parts for x in p.episode_stats[k]] for k in parts[0].episode_stats})
 
 
 def generate_rollout(policy, records: list[dict], gen: GenerationConfig, tok, vocab_size: int, dist: Dist,
@@ -243,6 +247,9 @@ def rollout_stats(r: Rollout, scores: Scores, rewards: RewardFunctions, dist: Di
     stats.add("rollout/response_length/clip_fraction", 1.0 - ended, std=False)
     stats.add("rollout/decode_slots", torch.tensor([float(r.slots)], device=dist.device), std=False)
     stats.add("rollout/decode_refills", torch.tensor([float(r.refills)], device=dist.device), std=False)
+    for key, values in r.episode_stats.items():  # multi-turn episodes: env/return, env/turns, env/timeouts, ...
+        stats.add(f"env/{key}", torch.tensor(values, dtype=torch.float64, device=dist.device),
+                  total=key == "timeouts", std=key == "return")
     return stats
 
 
@@ -252,18 +259,31 @@ def minibatch_order(seed: int, iteration: int, epoch: int, n: int, device) -> to
 
 
 def validation_accuracy(model, records: list[dict], gen: GenerationConfig, tok, vocab_size: int, dist: Dist,
-                        seq_length: int, rewards: RewardFunctions) -> dict[str, float]:
+                        seq_length: int, rewards: RewardFunctions, env=None, env_pool=None) -> dict[str, float]:
     """Accuracy (the accuracy function's value >= 1) of ``model`` on held-out prompt records, greedy and sampled (one
-    sample per prompt at the rollout temperature); DP ranks split the prompts. Empty without an accuracy function."""
-    if not records or rewards.accuracy is None:
+    sample per prompt at the rollout temperature); DP ranks split the prompts. With an environment (``env.name``):
+    of one episode per prompt, correct as its last step's ``info["correct"]`` says, else by the accuracy function
+    on its last policy turn. Empty without a way to tell."""
+    episodic = env is not None and env.name is not None
+    if not records or (rewards.accuracy is None and not episodic):
         return {}
     mine = records[dist.dp_rank :: dist.dp_size]
     totals = torch.zeros(3, dtype=torch.float64, device=dist.device)
     if mine:
         one = dataclasses.replace(gen, samples_per_prompt=1)
         for i, greedy in enumerate((True, False)):
-            r = generate_rollout(model, mine, one, tok, vocab_size, dist, seq_length,
-                                 seed=iteration_seed(one.seed, -1, dist.dp_rank), greedy=greedy)
+            seed = iteration_seed(one.seed, -1, dist.dp_rank)
+            if episodic:
+                from align_pipeline.train.core.episodes import run_episodes
+
+                episodes = run_episodes(model, mine, one, env, env_pool, tok, vocab_size, dist, seq_length, seed,
+                                        greedy=greedy)
+                totals[i] = float(sum(bool(ep.correct) if ep.correct is not None else
+                                      rewards.accuracy is not None and rewards.correct(
+                                          rewards.values(ep.record["prompt"], ep.last_text, ep.record))
+                                      for ep in episodes))
+                continue
+            r = generate_rollout(model, mine, one, tok, vocab_size, dist, seq_length, seed=seed, greedy=greedy)
             totals[i] = float(sum(rewards.correct(rewards.values(rec["prompt"], text, rec))
                                   for rec, text in zip(r.records, r.texts)))
         totals[2] = len(mine)
