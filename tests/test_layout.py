@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"", "errors"}),  # the package itself (lazy_exports) and the user-error class
     ("config", {"config"}),
     ("data", {"data"}),
-    ("model", {"model", "rl", "rewards"}),
+    ("model", {"model", "rl", "rewards", "envs"}),
     ("losses", {"losses"}),
     ("tracking", {"tracking"}),
     ("evaluation", {"evaluation"}),

@@ -27,11 +27,11 @@ TINY = {
 }
 
 
-def _tiny_llama(path: Path) -> Path:
+def _tiny_llama(path: Path, style: str = "chatml") -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    make_chat_tokenizer_dir(path, "chatml")
+    make_chat_tokenizer_dir(path, style)
     tok = AutoTokenizer.from_pretrained(str(path))
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

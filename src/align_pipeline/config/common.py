@@ -497,7 +497,7 @@ class EnvConfig:
         require_at_least(self, where, 0, "max_tokens")
         require_range(self, where, "step_timeout_s", 0, low_open=True)
         if self.name is not None:
-            from align_pipeline.envs.base import load_environment_class
+            from align_pipeline.config.env_spec import load_environment_class
 
             load_environment_class(self.name, f"{where}.name")
 

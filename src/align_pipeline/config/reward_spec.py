@@ -11,13 +11,12 @@ from typing import Any
 from align_pipeline.config.base import ConfigError
 
 
-def load_reward_function(spec: str, key: str) -> Callable[..., Any]:
-    """``"module:function"`` (the function may be a dotted attribute path) -> the function, checked: importable,
-    callable with ``(prompt, response, record)``, a well-formed ``required_fields``. Any problem raises
-    :class:`ConfigError` naming ``key`` (the parameter that holds the spec, e.g. ``params:ppo.reward.functions[0].name``).
-    """
+def import_spec(spec: str, key: str, expected: str) -> Any:
+    """The object a ``module:attribute`` spec names (the attribute may be a dotted path); :class:`ConfigError`
+    naming ``key`` when the spec is malformed (``expected`` says what it should look like), the module does not
+    import, or the attribute is missing."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ConfigError(f"{key}={spec!r}: expected 'module:function', e.g. 'align_pipeline.rewards:math_answer'")
+        raise ConfigError(f"{key}={spec!r}: expected {expected}")
     module_name, attr = spec.split(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -27,6 +26,15 @@ def load_reward_function(spec: str, key: str) -> Callable[..., Any]:
         if not hasattr(obj, part):
             raise ConfigError(f"{key}={spec!r}: {module_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
+    return obj
+
+
+def load_reward_function(spec: str, key: str) -> Callable[..., Any]:
+    """``"module:function"`` (the function may be a dotted attribute path) -> the function, checked: importable,
+    callable with ``(prompt, response, record)``, a well-formed ``required_fields``. Any problem raises
+    :class:`ConfigError` naming ``key`` (the parameter that holds the spec, e.g. ``params:ppo.reward.functions[0].name``).
+    """
+    obj = import_spec(spec, key, "'module:function', e.g. 'align_pipeline.rewards:math_answer'")
     if not callable(obj):
         raise ConfigError(f"{key}={spec!r} is a {type(obj).__name__}, not a function")
     try:

@@ -26,13 +26,11 @@ parameters are checked before any node runs), so it should not import them eithe
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from align_pipeline.config.base import ConfigError
+from align_pipeline.config.env_spec import load_environment_class
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -62,28 +60,6 @@ class Environment:
 
     def step(self, messages: list[dict[str, Any]], record: dict[str, Any]) -> Step | tuple:
         raise NotImplementedError
-
-
-def load_environment_class(spec: str, key: str) -> type:
-    """``"module:Class"`` -> the class, checked: importable, a class with callable ``reset`` and ``step``. Any problem
-    raises :class:`ConfigError` naming ``key`` (e.g. ``params:reinforce.env.name``)."""
-    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ConfigError(f"{key}={spec!r}: expected 'module:Class', e.g. 'align_pipeline.envs.builtin:Calculator'")
-    module_name, attr = spec.split(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # any failure to import a user's module is a config error naming the key
-        raise ConfigError(f"{key}={spec!r}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{key}={spec!r}: {module_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not inspect.isclass(obj):
-        raise ConfigError(f"{key}={spec!r} is a {type(obj).__name__}, not a class")
-    for method in ("reset", "step"):
-        if not callable(getattr(obj, method, None)):
-            raise ConfigError(f"{key}={spec!r}: the class has no {method}() method (see align_pipeline.envs.base)")
-    return obj
 
 
 def check_messages(messages: Any, what: str) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ import traceback
 from typing import Any
 
 from align_pipeline.envs.base import EnvError, as_start, as_step, load_environment_class
+from align_pipeline.rewards.pool import spawn_pool
 
 _ENV: Any = None
 """This worker's environment."""
@@ -48,8 +49,8 @@ class EnvPool:
         self._pool = None
 
     def _get(self):
-        if self._pool is None:  # spawned: a fork of a process with CUDA / OpenMP threads is not safe
-            self._pool = multiprocessing.get_context("spawn").Pool(self.workers)
+        if self._pool is None:  # started before any call is timed (rewards.pool.spawn_pool)
+            self._pool = spawn_pool(self.workers)
         return self._pool
 
     def close(self) -> None:

@@ -13,12 +13,43 @@ overlaps with the rest of the rollout.
 from __future__ import annotations
 
 import multiprocessing
+import time
 from typing import Any
 
 from align_pipeline.rewards.base import call
 
 _LOADED: dict[str, Any] = {}
 """A worker's loaded functions, by spec."""
+STARTUP_S = 300.0
+"""How long a new pool's workers may take to start (a spawned worker imports the job's main module: torch, Megatron)
+before the per-call timeouts apply."""
+
+
+def _pid(_: int) -> int:
+    import os
+    import time
+
+    time.sleep(0.05)  # long enough for every worker to take one
+    return os.getpid()
+
+
+def spawn_pool(workers: int, startup_s: float = STARTUP_S):
+    """``workers`` spawned processes (a fork of a process with CUDA / OpenMP threads is not safe), returned once
+    each has started and answered: the start-up (seconds under load) never counts against a call's timeout."""
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + startup_s
+        while len(pids) < workers:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise multiprocessing.TimeoutError
+            pids.update(pool.map_async(_pid, range(2 * workers), chunksize=1).get(timeout=left))
+    except multiprocessing.TimeoutError:
+        pool.terminate()
+        pool.join()
+        raise RuntimeError(f"{workers} worker processes did not start within {startup_s:.0f} s") from None
+    return pool
 
 
 def _values(specs: tuple[str, ...], prompt: str, response: str, record: dict[str, Any]) -> list[float]:
@@ -45,8 +76,8 @@ class RewardPool:
         self._waiting: dict[int, Any] = {}  # their AsyncResults
 
     def _get(self):
-        if self._pool is None:  # spawned: a fork of a process with CUDA / OpenMP threads is not safe
-            self._pool = multiprocessing.get_context("spawn").Pool(self.workers)
+        if self._pool is None:
+            self._pool = spawn_pool(self.workers)
         return self._pool
 
     def close(self) -> None:
@@ -105,4 +136,4 @@ class RewardPool:
             pass
 
 
-__all__ = ["RewardPool"]
+__all__ = ["RewardPool", "spawn_pool"]

@@ -262,6 +262,24 @@ def episodes_rollout(episodes: list[Episode], tok, dist: Dist, seq_length: int):
                    episode_stats=stats)
 
 
+def validation_accuracy(model, records: list[dict[str, Any]], gen: GenerationConfig, env: EnvConfig, pool, tok,
+                        vocab_size: int, dist: Dist, seq_length: int, rewards) -> dict[str, float]:
+    """:func:`~align_pipeline.train.core.rollout.validation_accuracy` of episodes: one per held-out prompt, correct as
+    its last step's ``info["correct"]`` says, else by the accuracy function on its last policy turn."""
+    from align_pipeline.train.core.rollout import held_out_accuracy
+
+    if not records:
+        return {}
+
+    def correct(greedy: bool, mine: list[dict[str, Any]], one: GenerationConfig, seed: int) -> float:
+        episodes = run_episodes(model, mine, one, env, pool, tok, vocab_size, dist, seq_length, seed, greedy=greedy)
+        return float(sum(bool(ep.correct) if ep.correct is not None else rewards.accuracy is not None
+                         and rewards.correct(rewards.values(ep.record["prompt"], ep.last_text, ep.record))
+                         for ep in episodes))
+
+    return held_out_accuracy(records, gen, dist, correct)
+
+
 def add_returns(scores, episodes: list[Episode], env: EnvConfig, device):
     """The scores of the episodes' last turns (``reward`` section) plus ``env.reward_weight`` x each return;
     accuracy from the environment's ``info["correct"]`` when it reports one."""
@@ -272,4 +290,5 @@ def add_returns(scores, episodes: list[Episode], env: EnvConfig, device):
     return scores
 
 
-__all__ = ["Episode", "Turns", "add_returns", "broadcast_json", "env_call", "episodes_rollout", "run_episodes"]
+__all__ = ["Episode", "Turns", "add_returns", "broadcast_json", "env_call", "episodes_rollout", "run_episodes",
+           "validation_accuracy"]

@@ -32,7 +32,6 @@ from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core import rollout
 from align_pipeline.train.core.batches import PromptStream
 from align_pipeline.train.core.distributed import Dist, init_distributed
-from align_pipeline.train.core.episodes import add_returns, episodes_rollout, run_episodes
 from align_pipeline.train.core.metrics import Timings, throughput
 from align_pipeline.train.core.offload import Offload
 from align_pipeline.train.core.optimizer import Trainable, build_frozen
@@ -143,6 +142,8 @@ class RLStage:
             episodes = None
             with timings("timing/generate_s"):
                 if self.env.name is not None:  # multi-turn: the environment's steps are part of the rollout
+                    from align_pipeline.train.core.episodes import episodes_rollout, run_episodes
+
                     episodes = run_episodes(actor.model, records, gen, self.env, self.env_pool, self.tok, self.vocab,
                                             dist, self.seq_length, seed)
                     r = episodes_rollout(episodes, self.tok, dist, self.seq_length)
@@ -154,6 +155,8 @@ class RLStage:
                 scores = rollout.score(r, self.cfg.reward, self.reward_fns, self.rm, self.rm_forward, self.mbs, dist,
                                        max_tokens=gen.max_new_tokens, pool=self.reward_pool)
                 if episodes is not None:
+                    from align_pipeline.train.core.episodes import add_returns
+
                     scores = add_returns(scores, episodes, self.env, dist.device)
             if rounds == 1:
                 return r, scores
@@ -171,6 +174,16 @@ class RLStage:
                          "padded_groups": float(max(0, want - len(kept)))}
         return rollout.Rollout.join([p[0] for p in picked]), rollout.Scores.join([p[1] for p in picked])
 
+    def validation_accuracy(self, actor: Trainable) -> dict[str, float]:
+        """Greedy and sampled accuracy on the held-out prompts: of responses, or of episodes with an environment."""
+        if self.env.name is None:
+            return rollout.validation_accuracy(actor.model, self.val_records, self.gen, self.tok, self.vocab,
+                                               self.dist, self.seq_length, self.reward_fns)
+        from align_pipeline.train.core.episodes import validation_accuracy
+
+        return validation_accuracy(actor.model, self.val_records, self.gen, self.env, self.env_pool, self.tok,
+                                   self.vocab, self.dist, self.seq_length, self.reward_fns)
+
     def train_state(self, iteration: int, **extra: Any) -> dict[str, Any]:
         """What a checkpoint resumes from: the iteration, the prompt cursor, and the stage's own state."""
         return {"iteration": iteration, "consumed_prompts": self.prompts.consumed(iteration), **extra}
@@ -186,8 +199,7 @@ class RLStage:
         m.update(throughput(r, timings, trained_rows=trained_rows, seq_length=self.seq_length, dist=self.dist))
         m["timing/iteration_s"] = time.perf_counter() - t0
         if rl.eval_interval and iteration % rl.eval_interval == 0 and iteration < rl.iterations:
-            m.update(rollout.validation_accuracy(actor.model, self.val_records, self.gen, self.tok, self.vocab,
-                                                 self.dist, self.seq_length, self.reward_fns, self.env, self.env_pool))
+            m.update(self.validation_accuracy(actor))
         self.runlog.record(iteration, m, {"iteration": iteration, **m}, force="val/greedy_accuracy" in m)
         if self.ckpts.after_step(iteration, train_state):
             return self.runlog.stopped(iteration, self.run_dir, self.ckpts.started_at)
@@ -196,8 +208,7 @@ class RLStage:
     def finish(self, iteration: int, actor: Trainable, train_state: dict[str, Any], m: dict[str, float],
                per_model: dict[str, dict[str, Any]] | None = None) -> dict:
         """Final validation (greedy and sampled accuracy), checkpoint, export of every trained model; the result."""
-        final = rollout.validation_accuracy(actor.model, self.val_records, self.gen, self.tok, self.vocab, self.dist,
-                                            self.seq_length, self.reward_fns, self.env, self.env_pool)
+        final = self.validation_accuracy(actor)
         self.logger.log_metrics(final, iteration)
         for pool in (self.reward_pool, self.env_pool):
             if pool is not None:

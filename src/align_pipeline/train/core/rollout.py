@@ -259,33 +259,29 @@ def minibatch_order(seed: int, iteration: int, epoch: int, n: int, device) -> to
 
 
 def validation_accuracy(model, records: list[dict], gen: GenerationConfig, tok, vocab_size: int, dist: Dist,
-                        seq_length: int, rewards: RewardFunctions, env=None, env_pool=None) -> dict[str, float]:
+                        seq_length: int, rewards: RewardFunctions) -> dict[str, float]:
     """Accuracy (the accuracy function's value >= 1) of ``model`` on held-out prompt records, greedy and sampled (one
-    sample per prompt at the rollout temperature); DP ranks split the prompts. With an environment (``env.name``):
-    of one episode per prompt, correct as its last step's ``info["correct"]`` says, else by the accuracy function
-    on its last policy turn. Empty without a way to tell."""
-    episodic = env is not None and env.name is not None
-    if not records or (rewards.accuracy is None and not episodic):
+    sample per prompt at the rollout temperature); DP ranks split the prompts. Empty without an accuracy function."""
+    if not records or rewards.accuracy is None:
         return {}
+
+    def correct(greedy: bool, mine: list[dict], one: GenerationConfig, seed: int) -> float:
+        r = generate_rollout(model, mine, one, tok, vocab_size, dist, seq_length, seed=seed, greedy=greedy)
+        return float(sum(rewards.correct(rewards.values(rec["prompt"], text, rec))
+                         for rec, text in zip(r.records, r.texts)))
+
+    return held_out_accuracy(records, gen, dist, correct)
+
+
+def held_out_accuracy(records: list[dict], gen: GenerationConfig, dist: Dist, correct) -> dict[str, float]:
+    """``val/greedy_accuracy`` and ``val/accuracy`` over DP ranks: ``correct(greedy, my_records, generation with one
+    sample, seed)`` counts this rank's correct responses."""
     mine = records[dist.dp_rank :: dist.dp_size]
     totals = torch.zeros(3, dtype=torch.float64, device=dist.device)
     if mine:
         one = dataclasses.replace(gen, samples_per_prompt=1)
         for i, greedy in enumerate((True, False)):
-            seed = iteration_seed(one.seed, -1, dist.dp_rank)
-            if episodic:
-                from align_pipeline.train.core.episodes import run_episodes
-
-                episodes = run_episodes(model, mine, one, env, env_pool, tok, vocab_size, dist, seq_length, seed,
-                                        greedy=greedy)
-                totals[i] = float(sum(bool(ep.correct) if ep.correct is not None else
-                                      rewards.accuracy is not None and rewards.correct(
-                                          rewards.values(ep.record["prompt"], ep.last_text, ep.record))
-                                      for ep in episodes))
-                continue
-            r = generate_rollout(model, mine, one, tok, vocab_size, dist, seq_length, seed=seed, greedy=greedy)
-            totals[i] = float(sum(rewards.correct(rewards.values(rec["prompt"], text, rec))
-                                  for rec, text in zip(r.records, r.texts)))
+            totals[i] = correct(greedy, mine, one, iteration_seed(one.seed, -1, dist.dp_rank))
         totals[2] = len(mine)
     tdist.all_reduce(totals, group=dist.pgs.dp)
     n = max(totals[2].item(), 1.0)
