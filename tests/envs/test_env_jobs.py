@@ -1,6 +1,7 @@
-"""REINFORCE in a multi-turn environment as real torchrun jobs on CPU (gloo), the tiny demo policy acting in the
-test environments of toy_envs.py: episodes of several turns with their rewards summed, the turn limit, a hung step
-ending its episode while the job goes on, and an environment's exception naming the episode and turn."""
+"""REINFORCE and PPO in a multi-turn environment as real torchrun jobs on CPU (gloo), the tiny demo policy acting in
+the test environments of toy_envs.py: episodes of several turns with their rewards summed, the turn limit, a hung
+step ending its episode while the job goes on, an environment's exception naming the episode and turn, and PPO with
+per-turn rewards."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from align_pipeline.config import (
     KLConfig,
     LaunchConfig,
     OptimizerConfig,
+    PPOConfig,
+    PPOJob,
+    PPOPaths,
     ReinforceConfig,
     ReinforceJob,
     ReinforceLossConfig,
@@ -47,9 +51,10 @@ def _job(models, run_dir: Path, env: dict, prompts: int = 4, iterations: int = 1
     return ReinforceJob(reinforce=section, model=TINY_MODEL, paths=paths)
 
 
-def _run(job: ReinforceJob) -> dict:
+def _run(job: ReinforceJob | PPOJob) -> dict:
     Path(job.paths.run_dir).mkdir(parents=True, exist_ok=True)
-    return run_torchrun("align_pipeline.train.reinforce", to_dict(job), LaunchConfig(nproc_per_node=1),
+    module = "ppo" if isinstance(job, PPOJob) else "reinforce"
+    return run_torchrun(f"align_pipeline.train.{module}", to_dict(job), LaunchConfig(nproc_per_node=1),
                         job.paths.run_dir, env=ENV)
 
 
@@ -80,3 +85,19 @@ def test_an_exception_in_the_environment_names_the_episode_and_turn(tiny_models,
     with pytest.raises(LaunchError, match=r"toy_envs:Nudge: step\(\) of episode \d+ \(prompt .*sample \d\), turn 2 "
                                           r"failed: ValueError: boom on turn 2"):
         _run(_job(tiny_models, tmp_path / "boom", {"config": {"turns": 3, "raise_on": 2}, "max_turns": 3}))
+
+
+def test_ppo_learns_from_per_turn_rewards(tiny_models, tmp_path):
+    """PPO with an environment: each turn's reward at its last policy token, GAE over the policy's tokens; the
+    critic starts from the reward model (which does not score: reward_model_weight 0)."""
+    base = _job(tiny_models, tmp_path / "unused", {"config": {"turns": 2}, "max_turns": 3}).reinforce
+    section = PPOConfig(rl=base.rl, generation=base.generation, optimizer=base.optimizer, reward=base.reward,
+                        env=base.env, critic_optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0))
+    paths = PPOPaths(run_dir=str(tmp_path / "ppo"), prompts=tiny_models["prompts"]["train"],
+                     val_prompts=tiny_models["prompts"]["val"], tokenizer=tiny_models["tokenizer"],
+                     policy=tiny_models["sft"], reward_model=tiny_models["rm"])
+    m = _run(PPOJob(ppo=section, model=TINY_MODEL, paths=paths))["history"][-1]
+    assert 1.0 <= m["env/turns"] <= 2.0 and m["env/env_tokens"] > 0
+    # the rollout's score is the episode's return: 0.25 per " more:" turn and 1.0 for a right last turn
+    assert m["rollout/rewards_mean"] == pytest.approx(m["env/return_mean"], abs=1e-9)
+    assert "critic/value_loss" in m and "train/policy_loss" in m

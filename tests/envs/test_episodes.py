@@ -107,3 +107,23 @@ def test_env_config_is_checked_when_the_parameters_load(on_path):
         from_dict(EnvConfig, {"name": "toy_envs:nothing"}, "params:reinforce.env")
     with pytest.raises(ConfigError, match="max_turns"):
         from_dict(EnvConfig, {"name": "toy_envs:Nudge", "max_turns": 0}, "params:reinforce.env")
+
+
+def test_ppo_places_each_turns_reward_on_its_last_token_and_skips_the_environment():
+    """One episode: prompt, policy turn (2 tokens), environment turn (2 tokens), policy turn (1 token). Turn rewards
+    0.25 and 1.0, score = their sum + 0.5 from the reward section; no KL (beta 0), values 0, gamma = lambda = 1:
+    every policy token's advantage is the rewards from its turn on: [1.75, 1.75, -, -, 1.5]."""
+    import torch
+
+    from align_pipeline.config import PPOConfig, PPOLossConfig
+    from align_pipeline.train.ppo import advantages_and_returns
+
+    cfg = from_dict(PPOConfig, {"loss": {"gamma": 1.0, "lam": 1.0, "whiten_advantages": False},
+                                "env": {"name": "toy_envs:Nudge", "reward_weight": 1.0}}, "ppo")
+    assert isinstance(cfg.loss, PPOLossConfig)
+    mask = torch.tensor([[0.0, 1, 1, 0, 0, 1, 0]])
+    turns = torch.tensor([[0.0, 0, 0.25, 0, 0, 1.0, 0]])
+    zeros = torch.zeros(1, 7)
+    scores = torch.tensor([0.25 + 1.0 + 0.5])
+    _, advantages, returns, _ = advantages_and_returns(cfg, scores, zeros, zeros, zeros, mask, 0.0, None, turns)
+    assert advantages.tolist() == [[0.0, 1.75, 1.75, 0.0, 0.0, 1.5, 0.0]] and torch.equal(returns, advantages)

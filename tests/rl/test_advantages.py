@@ -10,6 +10,7 @@ import torch
 import align_pipeline
 from align_pipeline.rl import (
     gae,
+    gae_over_turns,
     grpo_advantages,
     masked_moments,
     moments_to_mean_var,
@@ -92,6 +93,25 @@ def test_gae_different_lengths_and_padding_sides():
     adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.5)
     close(adv, [[*A3, 0.0], [0.125, 1.5, 0.0, 0.0], [0.0, *A3]])
     close(ret, [[*RET3, 0.0], [1.125, 2.0, 0.0, 0.0], [0.0, *RET3]])
+
+
+def test_gae_over_turns_skips_the_environments_tokens():
+    # the three-step trajectory above as three policy turns of one token each, with environment tokens between them
+    # (garbage rewards / values there) and a prompt position first: the same advantages at the policy's positions,
+    # the state after a turn being the next turn's (not the end, as gae would take the gap)
+    rewards = torch.tensor([[9.0, R3[0], 100.0, R3[1], 100.0, 100.0, R3[2], 9.0]])
+    values = torch.tensor([[NAN, V3[0], NAN, V3[1], 7.0, 7.0, V3[2], NAN]])
+    mask = torch.tensor([[0.0, 1, 0, 1, 0, 0, 1, 0]])
+    adv, ret = gae_over_turns(rewards, values, mask, gamma=0.9, lam=0.5)
+    close(adv, [[0.0, A3[0], 0.0, A3[1], 0.0, 0.0, A3[2], 0.0]])
+    close(ret, [[0.0, RET3[0], 0.0, RET3[1], 0.0, 0.0, RET3[2], 0.0]])
+    # gae itself ends the episode at each gap: turn 1's advantage is its own delta, not the lambda-return
+    assert abs(gae(rewards, values, mask, gamma=0.9, lam=0.5)[0][0, 1].item() - (R3[0] - V3[0])) < 1e-6
+    # rows with contiguous response tokens: exactly gae
+    g = torch.Generator().manual_seed(0)
+    r, v = torch.randn(4, 9, generator=g), torch.randn(4, 9, generator=g)
+    m = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0, 0], [1] * 9, [0, 0, 0, 0, 0, 0, 0, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0, 0]])
+    assert all(torch.equal(a, b) for a, b in zip(gae_over_turns(r, v, m, 0.97, 0.9), gae(r, v, m, 0.97, 0.9)))
 
 
 def test_gae_rejects_bad_params():

@@ -58,9 +58,6 @@ class PPOConfig(RLConfig):
 
     def validate(self, where: str = "ppo") -> None:
         super().validate(where)
-        if self.env.name is not None:
-            raise ConfigError(f"{where}.env: environments run in reinforce for now (PPO's per-turn rewards are not "
-                              "built yet); use params:reinforce.env")
         if not 0 <= self.critic_warmup_iterations < self.rl.iterations:
             raise ConfigError(f"{where}.critic_warmup_iterations must be in [0, rl.iterations = {self.rl.iterations}), "
                               f"got {self.critic_warmup_iterations}")

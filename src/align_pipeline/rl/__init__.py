@@ -12,6 +12,7 @@ _EXPORTS = {
     "KLEstimator": "kl",
     "KL_ESTIMATORS": "kl",
     "gae": "advantages",
+    "gae_over_turns": "advantages",
     "groups_without_signal": "advantages",
     "grpo_advantages": "advantages",
     "kl_k1": "kl",

@@ -102,6 +102,29 @@ def gae(
     return advantages, returns
 
 
+def gae_over_turns(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gae` over each row's response tokens taken in order, the positions outside ``mask`` skipped: in a
+    multi-turn episode the environment's turns sit between the policy's, and the state after a policy turn's last
+    token is the next policy turn's first (not the end of the episode, as :func:`gae` would take a gap)::
+
+        δ_k = r_k + γ V(s_{k+1}) - V(s_k),   Â_k = δ_k + γλ Â_{k+1}      (k over the masked positions, in order)
+
+    Same arguments and shapes as :func:`gae`; equal to it on rows whose response tokens are contiguous."""
+    _check_tokens("gae_over_turns", rewards=rewards, values=values, mask=mask)
+    m = mask.bool()  # [B, T]
+    order = torch.argsort((~m).to(torch.int8), dim=1, stable=True)  # [B, T] response positions first, in order
+    packed = [x.gather(1, order) for x in (rewards, values, mask)]  # [B, T] each, the response tokens contiguous
+    advantages, returns = gae(*packed, gamma, lam)  # [B, T]
+    return (torch.zeros_like(advantages).scatter(1, order, advantages),
+            torch.zeros_like(returns).scatter(1, order, returns))
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Masked whitening (advantage normalisation)
 # --------------------------------------------------------------------------------------------------------------------

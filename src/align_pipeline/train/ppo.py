@@ -13,7 +13,8 @@ Each iteration (Ouyang et al. 2022 / Ziegler et al. 2019, as NeMo-Aligner and TR
 3. **Advantages.** Per-token KL penalty against the reference (``kl.estimator``, coefficient ``kl.beta`` from the
    fixed or adaptive controller) + the score on the last token (:func:`~align_pipeline.rl.token_rewards`), GAE
    (gamma, lambda), advantages whitened over the whole rollout (moments all-reduced over DP). The KL controller then
-   updates with the mean per-sequence KL.
+   updates with the mean per-sequence KL. With an environment (``env``, multi-turn episodes), each turn's reward sits
+   at the turn's last token and GAE runs over the policy's tokens, the environment's turns skipped.
 4. **Update.** ``epochs`` passes over the rollout in a seeded order, ``minibatches`` optimizer steps each: the actor
    on the clipped policy loss (+ entropy bonus), then the critic on the (clipped) value loss. For the first
    ``critic_warmup_iterations`` only the critic trains.
@@ -39,7 +40,14 @@ from align_pipeline.model import init
 from align_pipeline.model.checkpoint import reward_pooling
 from align_pipeline.model.logprobs import token_entropy, token_nll
 from align_pipeline.model.sequences import run
-from align_pipeline.rl.advantages import gae, masked_moments, moments_to_mean_var, token_rewards, whiten_with
+from align_pipeline.rl.advantages import (
+    gae,
+    gae_over_turns,
+    masked_moments,
+    moments_to_mean_var,
+    token_rewards,
+    whiten_with,
+)
 from align_pipeline.rl.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from align_pipeline.train.core import rollout
 from align_pipeline.train.core.batches import split_rows
@@ -93,15 +101,29 @@ def critic_loss(cfg: PPOConfig):
 
 
 def advantages_and_returns(cfg: PPOConfig, scores: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
-                           values: torch.Tensor, mask: torch.Tensor, beta: float, dist):
+                           values: torch.Tensor, mask: torch.Tensor, beta: float, dist,
+                           turn_rewards: torch.Tensor | None = None):
     """Per-token KL [n, s], GAE advantages (whitened over every DP rank when configured) and returns [n, s], and the
     raw advantages [n, s] for the metrics. A sample whose score is not finite (NaN, inf) gets advantage 0 and its own
-    values as returns (no signal for actor or critic), and is left out of the whitening statistics."""
+    values as returns (no signal for actor or critic), and is left out of the whitening statistics.
+
+    ``turn_rewards`` [n, s] (multi-turn episodes, ``ppo.env``): each turn's reward, x ``env.reward_weight``, at its
+    last policy token; the rest of the score (the reward section's terms) at the last one; GAE over the policy's
+    tokens with the environment's turns skipped (:func:`~align_pipeline.rl.advantages.gae_over_turns`)."""
     finite = torch.isfinite(scores)  # [n]
     scored = mask.bool() & finite[:, None]  # [n, s]  the response tokens of samples with a finite score
     kl = kl_penalty(old_logp, ref_logp, cfg.kl.estimator) * mask  # [n, s]
-    rewards = token_rewards(torch.where(finite, scores, 0.0), kl, mask, beta)  # [n, s]: -beta * KL per token, + score
-    raw, returns = gae(rewards, values, mask, cfg.loss.gamma, cfg.loss.lam)  # [n, s]
+    if turn_rewards is None:
+        rewards = token_rewards(torch.where(finite, scores, 0.0), kl, mask, beta)  # [n, s]: -beta * KL, + score
+        raw, returns = gae(rewards, values, mask, cfg.loss.gamma, cfg.loss.lam)  # [n, s]
+    else:
+        turns = torch.where(finite[:, None], cfg.env.reward_weight * turn_rewards, 0.0)  # [n, s]
+        rest = torch.where(finite, scores - turns.sum(-1), 0.0)  # [n]
+        empty = ~mask.bool().any(-1)  # [n] an episode that ended before its first turn (a reset that ran over)
+        placed = mask.clone()
+        placed[empty, 0] = 1.0  # token_rewards needs a token per row; that row's rewards are 0 there
+        rewards = token_rewards(torch.where(empty, 0.0, rest), kl, placed, beta) * mask + turns  # [n, s]
+        raw, returns = gae_over_turns(rewards, values, mask, cfg.loss.gamma, cfg.loss.lam)  # [n, s]
     raw = torch.where(scored, raw, 0.0)  # [n, s]
     returns = torch.where(scored | ~mask.bool(), returns, values)  # [n, s]
     advantages = raw
@@ -147,7 +169,7 @@ def main(job: PPOJob) -> dict:
         # 3. KL penalty, GAE, whitening; the KL controller moves with the rollout's KL
         mask, beta = r.rows["loss_mask"], kl_ctl.value
         kl, advantages, returns, raw = advantages_and_returns(cfg, scores.total, old_logp, ref_logp, values, mask,
-                                                              beta, dist)
+                                                              beta, dist, r.rows.get("turn_rewards"))
         seq_kl = kl.sum(-1)  # [n]
         stats = rollout.rollout_stats(r, scores, stage.reward_fns, dist)
         stats.add("rollout/rewards_with_kl", scores.total - beta * seq_kl, torch.isfinite(scores.total), std=False)

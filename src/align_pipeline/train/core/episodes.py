@@ -22,6 +22,7 @@ import json
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as tdist
 
@@ -242,12 +243,20 @@ def run_episodes(policy, records: list[dict[str, Any]], gen: GenerationConfig, e
 
 def episodes_rollout(episodes: list[Episode], tok, dist: Dist, seq_length: int):
     """The episodes as a :class:`~align_pipeline.train.core.rollout.Rollout`: one row each, the loss on the policy's
-    tokens, the engine's log-probs there; ``texts`` = each episode's last policy turn (what reward functions
-    score); ``episode_stats`` = per-episode numbers for the ``env/*`` metrics."""
+    tokens, the engine's log-probs there, ``turn_rewards`` [n, s] (each turn's reward at its last policy token: PPO's
+    per-turn rewards); ``texts`` = each episode's last policy turn (what reward functions score); ``episode_stats`` =
+    per-episode numbers for the ``env/*`` metrics."""
     from align_pipeline.train.core.rollout import Rollout
 
     arrays = to_rows([ep.prompt_ids for ep in episodes], [ep.tokens for ep in episodes], seq_length, tok.pad_id,
                      [ep.logprobs for ep in episodes], masks=[ep.policy for ep in episodes])
+    turn_rewards = np.zeros_like(arrays["loss_mask"])  # [n, s] each turn's reward at its last policy token's label
+    for i, ep in enumerate(episodes):
+        for j, reward in ep.turn_rewards:
+            position = len(ep.prompt_ids) - 1 + j  # label t = token t + 1
+            if position < seq_length - 1:
+                turn_rewards[i, position] += reward
+    arrays["turn_rewards"] = turn_rewards
     rows = {k: torch.from_numpy(v).to(dist.device) for k, v in arrays.items()}
     stats = {
         "return": [ep.episode_return for ep in episodes],
