@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from align_pipeline.config.reward_spec import load_reward_function
+from align_pipeline.data.chat import prompt_messages
 from align_pipeline.envs.base import Environment, Step
 from align_pipeline.rewards.base import call
 
@@ -121,6 +122,15 @@ def format_number(value: float) -> str:
     return str(value) if isinstance(value, int) else format(value, ".12g")
 
 
+def _opening(prompt: str | list[dict[str, Any]], system: str | None) -> list[dict[str, Any]]:
+    """The record's prompt as the episode's first messages (:func:`~align_pipeline.data.chat.prompt_messages`), with
+    ``system`` first when the messages have no system turn of their own."""
+    messages = prompt_messages(prompt, system)
+    if system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
 class Calculator(Environment):
     """Tool calling with a calculator (module docstring). Config:
 
@@ -141,11 +151,7 @@ class Calculator(Environment):
         self.check = load_reward_function(check, "env.config.check")
 
     def reset(self, record: dict[str, Any]) -> dict[str, Any]:
-        prompt = record["prompt"]
-        messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        if self.system and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.system})
-        return {"messages": messages, "tools": [CALCULATOR_TOOL]}
+        return {"messages": _opening(record["prompt"], self.system), "tools": [CALCULATOR_TOOL]}
 
     def step(self, messages: list[dict[str, Any]], record: dict[str, Any]) -> Step:
         text = messages[-1]["content"] or ""
@@ -188,11 +194,7 @@ class StepVerifier(Environment):
         steps = record.get("steps")
         if not isinstance(steps, list) or not steps:
             raise ValueError('StepVerifier needs a non-empty list "steps" in each prompt record')
-        prompt = record["prompt"]
-        messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        if self.system and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.system})
-        return messages
+        return _opening(record["prompt"], self.system)
 
     def step(self, messages: list[dict[str, Any]], record: dict[str, Any]) -> Step:
         from align_pipeline.rewards.math_answers import answers_match, final_answer, reference_answer
