@@ -43,6 +43,20 @@ def _gone(p: psutil.Process) -> bool:
 # -- command and environment (no launch) --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("code", [0, 3])
+def test_terminate_tree_keeps_the_exit_code_of_a_process_that_ends_on_its_own_terms(code):
+    """A torchrun that fails while being stopped must not read as a success: psutil reaping our child left Popen no
+    status, and Popen then said 0 (a worker node reported a failed job as finished)."""
+    from align_pipeline.launch import terminate_tree
+
+    child = subprocess.Popen([sys.executable, "-c", ("import signal, sys, time\n"
+                              f"signal.signal(signal.SIGTERM, lambda *a: sys.exit({code}))\n"
+                              "print('ready', flush=True)\ntime.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    terminate_tree(child, grace=10)
+    assert child.returncode == code
+
+
 def test_multi_node_command():
     """Node 0 of a two-node job (the other runs `align-pipeline worker`): a c10d rendezvous on the port after the
     job board's, its id derived from the run directory."""

@@ -337,26 +337,35 @@ def _signal_tree(procs: list, sig: int) -> None:
 
 
 def terminate_tree(proc: subprocess.Popen, grace: float = TERMINATE_GRACE_S) -> None:
-    """SIGTERM ``proc`` and all its descendants, wait up to ``grace`` s, SIGKILL whatever is left; reap ``proc``."""
+    """SIGTERM ``proc`` and all its descendants, wait up to ``grace`` s, SIGKILL whatever is left; reap ``proc``.
+
+    Only ``proc.wait`` reaps ``proc``: psutil would reap it too (it is our child), and ``Popen`` then finds no
+    status and sets ``returncode`` to 0 - a torchrun that failed while being stopped read as a success."""
     import psutil
 
+    if proc.poll() is not None:  # already gone (and reaped): its pid may be someone else's now
+        return
     try:
-        root = psutil.Process(proc.pid)
-        procs = [root, *root.children(recursive=True)]
+        children = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
-        procs = []
-    if procs:
-        _signal_tree(procs, signal.SIGTERM)
-        _, alive = psutil.wait_procs(procs, timeout=grace)
-        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        if alive:
-            for p in list(alive):
-                try:
-                    alive.extend(p.children(recursive=True))
-                except psutil.NoSuchProcess:
-                    pass
-            _signal_tree(alive, signal.SIGKILL)
-            psutil.wait_procs(alive, timeout=grace)
+        children = []
+    _signal_tree([proc, *children], signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    _, alive = psutil.wait_procs(children, timeout=max(0.0, deadline - time.monotonic()))
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in list(alive):
+        try:
+            alive.extend(p.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    if proc.poll() is None:
+        _signal_tree([proc], signal.SIGKILL)
+    _signal_tree(alive, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=grace)
     try:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
