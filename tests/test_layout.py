@@ -303,5 +303,5 @@ if __name__ == "__main__":
         print(f"{name:10s} {' '.join(sorted(g or PKG for g in groups))}")
     for (a, b), n in sorted(between.items()):
         print(f"  {a} -> {b}: {n}")
-    for stage in ("sft", "reward_model", "dpo", "ppo", "reinforce", "evaluate"):
+    for stage in ("sft", "reward_model", "dpo", "ppo", "reinforce", "distill", "evaluate"):
         print(f"train.{stage}: {len(reach(edges, f'{PKG}.train.{stage}'))} modules reachable (lazy imports included)")

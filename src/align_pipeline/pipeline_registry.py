@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kedro.pipeline import Pipeline
 
-from align_pipeline.pipelines import data_prep, dpo, evaluation, export, ppo, reinforce, reward_model, sft
+from align_pipeline.pipelines import data_prep, distill, dpo, evaluation, export, ppo, reinforce, reward_model, sft
 
 
 def register_pipelines() -> dict[str, Pipeline]:
@@ -47,6 +47,13 @@ def register_pipelines() -> dict[str, Pipeline]:
         "data_prep_prompts": data_prep.create_prompts_pipeline().tag("data_prep"),
         "reasoning": data_prep.create_prompts_pipeline().tag("data_prep")
         + reinforce.create_pipeline(sft_policy=False).tag("reinforce"),
+        # on-policy distillation of the catalog's reinforce_policy (the teacher) into the sft_policy (the student);
+        # distill_from_path: the teacher is params:distill.teacher (a checkpoint or an HF model directory)
+        "distill": distill.create_pipeline().tag("distill"),
+        "distill_from_path": distill.create_pipeline(teacher=None).tag("distill"),
+        "distill_evaluation": distill.create_pipeline().tag("distill")
+        + evaluation.create_pipeline(policies=["sft_policy", "reinforce_policy", "distill_policy"],
+                                     reward_model=False).tag("evaluation"),
         # run after training (`kedro run --pipelines export`); not part of __default__, which trains
         "export": export.create_pipeline().tag("export"),
     }

@@ -70,6 +70,29 @@ def test_calculator_errors_answer_as_the_tool_and_calls_are_limited():
     assert over.done and over.reward == 0.0 and over.info["reason"] == "too many tool calls"
 
 
+def test_calculator_plain_calls_for_a_model_without_a_chat_template():
+    """call_format plain: the turn ``calc(<expression>)`` is a call, answered by a user turn ``=<value>\\n``; no tool
+    schema (a template-less tokenizer has no rendering for one); anything else is the answer; calls are counted."""
+    env = Calculator(call_format="plain", tool_name="calc", max_calls=1)
+    record = {"prompt": "add: 57+68\n", "answer": "125"}
+    messages, tools = as_start(env.reset(record), "reset()")
+    assert messages == [{"role": "user", "content": "add: 57+68\n"}] and tools is None
+    messages.append({"role": "assistant", "content": "calc(57+68)"})
+    step = as_step(env.step(messages, record), "step()")
+    assert step.messages == [{"role": "user", "content": "=125\n"}] and not step.done
+    messages += step.messages + [{"role": "assistant", "content": "125"}]
+    final = as_step(env.step(messages, record), "step()")
+    assert final.done and final.reward == 1.0 and final.info == {"correct": True, "calls": 1}
+    bad = as_step(env.step(messages[:1] + [{"role": "assistant", "content": "calc(57+x)"}], record), "step()")
+    assert bad.messages[0]["content"].startswith("=error: only numbers") and bad.reward == 0.0
+    over = as_step(env.step(messages[:-1] + [{"role": "assistant", "content": "calc(1+1)"}], record), "step()")
+    assert over.done and over.info["reason"] == "too many tool calls"
+    assert as_step(env.step(messages[:1] + [{"role": "assistant", "content": "124"}], record), "step()").reward == 0
+    for config in ({"call_format": "xml"}, {"call_format": "plain", "tool_name": "calc)("}):
+        with pytest.raises(ValueError):
+            Calculator(**config)
+
+
 def test_step_verifier_gives_partial_credit():
     env = StepVerifier()
     record = {"prompt": "Add 27 and 45 one digit at a time.", "steps": ["12", "72"]}

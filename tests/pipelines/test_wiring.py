@@ -81,7 +81,7 @@ def test_kedro_viz_layers_follow_the_data_folders_and_every_node_has_its_stage_t
             folder = re.match(r"data/(\d\d_\w+)/", str(entry.get("filepath") or entry.get("path") or ""))
             if folder and "@" not in name:  # transcoded entries share their dataset's node in kedro-viz
                 assert entry["metadata"]["kedro-viz"]["layer"] == layers[folder.group(1)], (f.name, name)
-    stages = {"data_prep", "sft", "reward_model", "dpo", "ppo", "reinforce", "evaluation", "export"}
+    stages = {"data_prep", "sft", "reward_model", "dpo", "ppo", "reinforce", "distill", "evaluation", "export"}
     for name, pipeline in register_pipelines().items():
         for node in pipeline.nodes:
             assert len(node.tags & stages) == 1, (name, node.name, node.tags)

@@ -18,7 +18,7 @@ Where each rule comes from (the code that fails without it):
 * PP divides ``num_layers``: Megatron's ``get_num_layers_to_build`` (no uneven split is configured);
 * ``sequence_parallel`` with TP > 1 splits the sequence over the TP ranks: ``seq_length`` divisible by TP
   (Megatron's scatter/reduce-scatter along the sequence);
-* PP = 1 for the stages that generate (ppo, reinforce, evaluation): ``model.generate`` and ``forward_rows``;
+* PP = 1 for the stages that generate (ppo, reinforce, distill, evaluation): ``model.generate`` and ``forward_rows``;
 * supervised stages: ``global_batch_size`` splits over DP ranks into micro-batches (``train.core.batches``);
 * RL stages: a rollout splits over DP ranks, and each rank's rows into ``minibatches`` of whole micro-batches
   (``train.core.rollout``);
@@ -46,6 +46,7 @@ from align_pipeline.config.common import ModelConfig, ParallelConfig, ScoringCon
 GENERATING_STAGES: dict[str, str] = {
     "ppo": "it generates rollouts",
     "reinforce": "it generates rollouts",
+    "distill": "the student generates its samples",
     "evaluation": "it samples responses",
 }
 """Stages that need pipeline_model_parallel_size 1 (generation runs on whole models only), and why."""
@@ -56,7 +57,7 @@ HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPERVISED_STAGES = frozenset({"sft", "reward_model", "dpo"})
 """Stages whose section has ``training`` (global batches of micro-batches)."""
 
-RL_STAGES = frozenset({"ppo", "reinforce"})
+RL_STAGES = frozenset({"ppo", "reinforce", "distill"})
 """Stages whose section has ``rl`` and ``generation`` (rollouts split into minibatches)."""
 
 

@@ -557,6 +557,9 @@ class RLLoopConfig:
     """Iterations between greedy validation passes on held-out prompts (0 = only at the end)."""
     eval_prompts: int = 64
     """Held-out prompts per validation pass."""
+    eval_before_training: bool = False
+    """Also validate the starting policy, before iteration 1 (logged at step 0, in the result as ``initial``): the
+    run then shows where the policy started and where it ended on the same prompts."""
     save_interval: int = 10
     """Iterations between resumable checkpoints (0 = only at the end)."""
     keep_checkpoints: int = 2

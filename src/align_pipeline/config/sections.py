@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from align_pipeline.config.common import ExportConfig, LaunchConfig, ModelConfig, ParallelConfig
+from align_pipeline.config.distill import DistillConfig
 from align_pipeline.config.dpo import DPOConfig
 from align_pipeline.config.evaluation import EvaluationConfig
 from align_pipeline.config.ppo import PPOConfig
@@ -19,6 +20,7 @@ SECTIONS = {
     "dpo": DPOConfig,
     "ppo": PPOConfig,
     "reinforce": ReinforceConfig,
+    "distill": DistillConfig,
     "evaluation": EvaluationConfig,
     "export": ExportConfig,
 }

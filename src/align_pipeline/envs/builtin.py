@@ -138,28 +138,51 @@ class Calculator(Environment):
     * ``max_calls`` (3): calls per episode; one more ends the episode unanswered (reward 0);
     * ``check`` (``align_pipeline.rewards:math_answer``): the reward function that scores the final answer against
       the record (>= 1 = correct);
-    * ``call_reward`` (0.0): reward of each turn whose calls all ran (a shaping bonus for using the tool well).
+    * ``call_reward`` (0.0): reward of each turn whose calls all ran (a shaping bonus for using the tool well);
+    * ``call_format`` (``json``): ``json`` = the tool calls above, the tool's schema given to the chat template,
+      answers as ``tool`` turns; ``plain`` = for a model without a chat template (the embedded demo's): a turn that
+      is exactly ``<tool_name>(<expression>)`` is a call, answered by a ``user`` turn ``=<value>`` and a newline;
+    * ``tool_name`` (``calculator``): the name a ``plain`` call uses (e.g. ``calc``: ``calc(57+68)``).
 
     A turn without a tool call is the final answer: the episode ends with the check's value and ``info["correct"]``,
     ``info["calls"]`` (the calls made)."""
 
     def __init__(self, system: str | None = None, max_calls: int = 3, check: str = "align_pipeline.rewards:math_answer",
-                 call_reward: float = 0.0) -> None:
-        super().__init__(system=system, max_calls=max_calls, check=check, call_reward=call_reward)
+                 call_reward: float = 0.0, call_format: str = "json", tool_name: str = "calculator") -> None:
+        super().__init__(system=system, max_calls=max_calls, check=check, call_reward=call_reward,
+                         call_format=call_format, tool_name=tool_name)
+        if call_format not in ("json", "plain"):
+            raise ValueError(f"call_format must be 'json' or 'plain', got {call_format!r}")
+        if not re.fullmatch(r"[A-Za-z_]\w*", tool_name or ""):
+            raise ValueError(f"tool_name must be an identifier, got {tool_name!r}")
         self.system, self.max_calls, self.call_reward = system, int(max_calls), float(call_reward)
+        self.plain = call_format == "plain"
+        self.plain_call = re.compile(rf"\s*{tool_name}\((.*)\)\s*", re.DOTALL)
         self.check_spec = check
         self.check = load_reward_function(check, "env.config.check")
 
-    def reset(self, record: dict[str, Any]) -> dict[str, Any]:
+    def reset(self, record: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        if self.plain:
+            return _opening(record["prompt"], self.system)
         return {"messages": _opening(record["prompt"], self.system), "tools": [CALCULATOR_TOOL]}
+
+    def _answer(self, content: str) -> dict[str, str]:
+        return {"role": "user", "content": f"={content}\n"} if self.plain else {"role": "tool", "content": content}
+
+    def _calls(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        if not self.plain:
+            return parse_tool_calls(text)
+        call = self.plain_call.fullmatch(text)
+        return [("calculator", {"expression": call.group(1)})] if call else []
 
     def step(self, messages: list[dict[str, Any]], record: dict[str, Any]) -> Step:
         text = messages[-1]["content"] or ""
-        made = sum(m["role"] == "tool" for m in messages)
+        made = sum(m["role"] == "tool" for m in messages) if not self.plain else \
+            sum(m["role"] == "assistant" for m in messages) - 1  # every earlier policy turn was a call
         try:
-            calls = parse_tool_calls(text)
+            calls = self._calls(text)
         except ToolCallError as exc:
-            return Step([{"role": "tool", "content": str(exc)}], 0.0, False, {})
+            return Step([self._answer(str(exc))], 0.0, False, {})
         if not calls:
             value = call(self.check, self.check_spec, record["prompt"], text, record)
             return Step([], value, True, {"correct": value >= 1.0, "calls": made})
@@ -170,10 +193,10 @@ class Calculator(Environment):
             try:
                 if name != "calculator":
                     raise ToolCallError(f"error: unknown tool {name!r} (the tool is 'calculator')")
-                answers.append({"role": "tool", "content": format_number(evaluate(arguments.get("expression")))})
+                answers.append(self._answer(format_number(evaluate(arguments.get("expression")))))
                 ran += 1
             except ToolCallError as exc:
-                answers.append({"role": "tool", "content": str(exc)})
+                answers.append(self._answer(str(exc)))
         return Step(answers, self.call_reward if ran == len(calls) else 0.0, False, {})
 
 

@@ -55,14 +55,15 @@ STAGE_NODES: dict[str, tuple[str, str]] = {
     "train_dpo": ("dpo", "dpo"),
     "train_ppo": ("ppo", "ppo"),
     "train_reinforce": ("reinforce", "reinforce"),
+    "train_distill": ("distill", "distill"),
     "evaluate_policies": ("evaluation", "evaluation"),
 }
 """Node function -> (the stage whose job it launches, the params section it reads with model/parallel/launch)."""
 
-STARTING_FROM_SFT = frozenset({"reward_model", "dpo", "ppo", "reinforce"})
+STARTING_FROM_SFT = frozenset({"reward_model", "dpo", "ppo", "reinforce", "distill"})
 """Stages whose trained model starts from ``<section>.init_from``, else ``sft_policy``."""
 
-SCORING_STAGES = frozenset({"ppo", "reinforce", "evaluation"})
+SCORING_STAGES = frozenset({"ppo", "reinforce", "distill", "evaluation"})
 """Stages that score responses with the reward functions of ``params:<stage>.reward``."""
 
 PROMPT_INPUTS = ("prompts_train", "prompts_val")
@@ -137,7 +138,7 @@ class _Architectures:
     def of_node(self, node, stage: str, section) -> list[Arch]:
         """Every model the node's job builds: the trained one's start and, for RL and evaluation, the frozen ones."""
         archs = self.start(stage) if stage in ("sft", *STARTING_FROM_SFT) else []
-        if stage in ("ppo", "reinforce", "evaluation", "reference_logps"):
+        if stage in ("ppo", "reinforce", "distill", "evaluation", "reference_logps"):
             for name in node.inputs:
                 if _is_model_input(name) and not (
                     name == "reward_model" and stage == "reinforce" and not section.reward.reward_model_weight

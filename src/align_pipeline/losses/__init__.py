@@ -10,6 +10,7 @@ _EXPORTS = {
     "REFERENCE_FREE_LOSSES": "preference",
     "bradley_terry_loss": "reward",
     "combine": "preference",
+    "distill_loss": "distill",
     "dpo_loss": "preference",
     "entropy_bonus": "ppo",
     "entropy_from_logits": "ppo",

@@ -74,17 +74,18 @@ def train_paths(section: StageRunConfig, stage_name: str, *, tokenizer: Artifact
 
 
 def rl_paths(section: StageRunConfig, stage_name: str, *, tokenizer: Artifact, prompts_train: Artifact,
-             prompts_val: Artifact, sft_policy: str | None, reward_model: str | None, key: dict[str, Any]
-             ) -> tuple[RLPaths, dict[str, Any]]:
+             prompts_val: Artifact, sft_policy: str | None, reward_model: str | None, key: dict[str, Any],
+             teacher: str | None = None) -> tuple[RLPaths, dict[str, Any]]:
     """The paths and lineage of an RL stage's job: the policy starts from ``section.init_from`` or sft_policy, the
-    KL reference is sft_policy, or without one (RL from a model) the policy's start; ``key`` holds the job's config
+    KL reference is sft_policy, or without one (RL from a model) the policy's start; with a ``teacher``
+    (distillation) there is no KL reference and the lineage names the teacher; ``key`` holds the job's config
     sections."""
     policy = section.init_from or sft_policy
-    reference = sft_policy or policy
+    reference = None if teacher else sft_policy or policy
     lineage = {"data": data_lineage(tokenizer, prompts_train, prompts_val), "parent_checkpoint": policy,
-               "reference": reference, "reward_model": reward_model}
+               "reference": reference, "reward_model": reward_model, **({"teacher": teacher} if teacher else {})}
     check_checkpoint_tokenizers(tokenizer, **{f"{stage_name}'s starting policy": policy, "sft_policy": sft_policy,
-                                              "reward_model": reward_model})
+                                              "reward_model": reward_model, "the teacher": teacher})
     run_dir = run_dir_for(section, stage_name, {"lineage": lineage, **key})
     lineage["reuse_key"] = content_key(stage_name, lineage, key)
     paths = RLPaths(run_dir=run_dir, prompts=str(Path(prompts_train.path).resolve()),

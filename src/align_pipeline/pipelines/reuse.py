@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 NOT_IN_KEY = ("reuse", "keep_run_dir", "runs_dir")
 """Fields of a stage's section that do not change its result."""
-MODEL_ROLES = ("parent_checkpoint", "reference", "reward_model")
+MODEL_ROLES = ("parent_checkpoint", "reference", "reward_model", "teacher")
 """The lineage entries that name models (by path)."""
 LINK_FROM_BYTES = 1 << 20
 """A clone hard-links files of at least this size (weights; never rewritten) and copies smaller ones (reports,

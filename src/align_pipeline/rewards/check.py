@@ -16,6 +16,7 @@ from align_pipeline.rewards.base import RewardFunctions, Term
 SCORING_SECTIONS: dict[str, type[ScoringConfig]] = {
     "ppo": RewardConfig,
     "reinforce": RewardConfig,
+    "distill": RewardConfig,
     "evaluation": ScoringConfig,
 }
 """The stages that score responses with reward functions -> the type of their ``reward`` subsection."""

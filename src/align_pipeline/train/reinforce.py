@@ -26,11 +26,10 @@ from align_pipeline.model.sequences import run
 from align_pipeline.rl.advantages import groups_without_signal, grpo_advantages, rloo_advantages
 from align_pipeline.rl.kl import kl_penalty
 from align_pipeline.train.core import rollout
-from align_pipeline.train.core.batches import split_rows
 from align_pipeline.train.core.checkpointing import Checkpoints
 from align_pipeline.train.core.cli import cli
 from align_pipeline.train.core.metrics import Timings, mean_metrics
-from align_pipeline.train.core.optimizer import build_trainable, train_step
+from align_pipeline.train.core.optimizer import build_trainable
 from align_pipeline.train.core.rl_stage import RLStage
 
 
@@ -71,7 +70,7 @@ def main(job: ReinforceJob) -> dict:
     #      (frozen), prompts ----
     cfg = job.reinforce
     stage = RLStage("reinforce", job, cfg)
-    rl, gen, mbs, dist = stage.rl, stage.gen, stage.mbs, stage.dist
+    rl, gen, dist = stage.rl, stage.gen, stage.dist
     actor = build_trainable(stage.source, job.parallel, cfg.optimizer, rl.iterations * rl.steps_per_iteration, dist,
                             lora=cfg.lora)
     stage.load_scoring(kl_reference=cfg.kl.beta > 0)  # beta 0: no reference model, no KL (as TRL, veRL)
@@ -109,12 +108,8 @@ def main(job: ReinforceJob) -> dict:
         # 4. epochs x minibatches of policy steps over a seeded order
         rows = {**r.rows, "advantages": advantages, "old_logp": old_logp,
                 **({"ref_logp": ref_logp} if ref_logp is not None else {})}
-        steps = []
         with timings("timing/train_s"):
-            for epoch in range(rl.epochs):
-                order = rollout.minibatch_order(rl.seed, iteration, epoch, r.n, dist.device)
-                steps += [train_step(actor, split_rows(rows, mbs, chunk)[0], loss, metric_names, dist, stage.seq_length)
-                          for chunk in order.chunk(rl.minibatches)]
+            steps = stage.minibatch_steps(actor, rows, loss, metric_names, iteration, r.n)
         iteration += 1
         # 5. log, validate, checkpoint
         m.update(mean_metrics(steps, "train"))

@@ -4,7 +4,8 @@ from kedro.pipeline import Pipeline, node, pipeline
 
 from .nodes import export_artifact
 
-EXPORTED = ("sft_policy", "dpo_policy", "ppo_policy", "reinforce_policy", "reward_model", "ppo_critic")
+EXPORTED = ("sft_policy", "dpo_policy", "ppo_policy", "reinforce_policy", "distill_policy", "reward_model",
+            "ppo_critic")
 """The model artifacts the export pipeline writes as HF directories (those present in the catalog)."""
 
 

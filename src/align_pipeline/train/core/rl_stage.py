@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from align_pipeline.config.base import config_hash, to_dict
+from align_pipeline.config.base import ConfigError, config_hash, to_dict
 from align_pipeline.config.checks import attribute_weights, check_job
 from align_pipeline.config.common import ModelConfig, RewardConfig, RLLoopConfig
 from align_pipeline.data.formats import load_jsonl
@@ -30,11 +30,11 @@ from align_pipeline.rewards.check import check_records
 from align_pipeline.rl.advantages import groups_without_signal
 from align_pipeline.tracking.mlflow_logger import RunLogger
 from align_pipeline.train.core import rollout
-from align_pipeline.train.core.batches import PromptStream
+from align_pipeline.train.core.batches import PromptStream, split_rows
 from align_pipeline.train.core.distributed import Dist, init_distributed
 from align_pipeline.train.core.metrics import Timings, throughput
 from align_pipeline.train.core.offload import Offload
-from align_pipeline.train.core.optimizer import Trainable, build_frozen
+from align_pipeline.train.core.optimizer import Trainable, build_frozen, train_step
 from align_pipeline.train.core.progress import RunLog, log, log_job_params
 
 
@@ -57,11 +57,13 @@ class RLStage:
         self.setup: dict[str, float] = {}
         self.sampling: dict[str, float] = {}  # dynamic sampling's counts of the last rollout
 
-    def load_scoring(self, kl_reference: bool = True) -> None:
+    def load_scoring(self, kl_reference: bool = True, teacher: str | None = None) -> None:
         """The reward functions, the frozen judges and the prompts (after the trained models: their random draws
         do not depend on whether a reference is built). ``kl_reference=False`` (REINFORCE with ``kl.beta`` 0): no
-        KL reference at all - no model built, no reference forward, no KL metrics."""
-        self.kl_reference = kl_reference
+        KL reference at all - no model built, no reference forward, no KL metrics. ``teacher`` (distillation): the
+        frozen model in the reference's place is this one (its log-probs are :meth:`rollout_and_score`'s
+        ``ref_logp``)."""
+        self.kl_reference, self.teacher = kl_reference or teacher is not None, teacher
         where = f"{self.name}.reward"
         self.reward_fns = RewardFunctions.load(self.cfg.reward, where)
         reward, self.reward_pool = self.cfg.reward, None
@@ -76,7 +78,7 @@ class RLStage:
             self.env_pool = EnvPool(self.env.name, self.env.config, self.env.workers, self.env.step_timeout_s)
         self.reference, self.rm, self.rm_forward = load_judges(
             self.paths, self.cfg.reward, self.job.model.attention_backend, self.job.parallel, self.dist, where,
-            lora_policy=bool(self.cfg.lora.rank), kl_reference=kl_reference)
+            lora_policy=bool(self.cfg.lora.rank), kl_reference=kl_reference, teacher=teacher, tokens=self.tok.vocab_size)
         self.prompts, self.val_records = load_prompts(self.paths, self.rl, self.dist, self.reward_fns)
 
     def offload(self, optimizers: list) -> Offload:
@@ -89,6 +91,12 @@ class RLStage:
         self.ckpts = ckpts
         iteration, state, self.runlog = start(self.name, self.job, ckpts, self.prompts, self.rl, self.dist,
                                               self.logger)
+        self.initial: dict[str, float] = {}
+        if iteration == 0 and self.rl.eval_before_training:  # the starting policy, on the validation prompts
+            self.initial = self.validation_accuracy(actor)
+            self.logger.log_metrics(self.initial, 0)
+            log(self.dist, f"[{self.name}] before training: " + ", ".join(f"{k} {v:.4f}"
+                                                                          for k, v in self.initial.items()))
         if iteration < self.rl.iterations:
             self.setup = rollout.prepare_rollouts(actor.model, self.prompts, iteration, self.gen, self.tok, self.vocab,
                                                   self.dist, self.seq_length)
@@ -174,6 +182,17 @@ class RLStage:
                          "padded_groups": float(max(0, want - len(kept)))}
         return rollout.Rollout.join([p[0] for p in picked]), rollout.Scores.join([p[1] for p in picked])
 
+    def minibatch_steps(self, model: Trainable, rows: dict, loss, metric_names: list[str], iteration: int,
+                        n: int) -> list[dict[str, float]]:
+        """Step 4 of a one-model stage: ``rl.epochs`` passes over this rank's ``n`` rollout rows, each in
+        ``rl.minibatches`` optimizer steps of a seeded order (the same on a resumed run); the steps' metrics."""
+        rl, steps = self.rl, []
+        for epoch in range(rl.epochs):
+            order = rollout.minibatch_order(rl.seed, iteration, epoch, n, self.dist.device)
+            steps += [train_step(model, split_rows(rows, self.mbs, chunk)[0], loss, metric_names, self.dist,
+                                 self.seq_length) for chunk in order.chunk(rl.minibatches)]
+        return steps
+
     def validation_accuracy(self, actor: Trainable) -> dict[str, float]:
         """Greedy and sampled accuracy on the held-out prompts: of responses, or of episodes with an environment."""
         if self.env.name is None:
@@ -215,34 +234,54 @@ class RLStage:
                 pool.close()
         log(self.dist, f"[{self.name}] done: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
         self.ckpts.save(iteration, train_state)
-        meta = export_meta(self.name, self.job, self.tok, final, m, kl_reference=self.kl_reference)
+        meta = export_meta(self.name, self.job, self.tok, final, m, kl_reference=self.kl_reference,
+                           teacher=self.teacher)
         dirs = self.ckpts.export(iteration, meta, per_model=per_model)
         return self.runlog.finish(self.run_dir, {**dirs, "step": iteration, "iteration": iteration, **final,
-                                                 "final": {**m, **final}, "history": self.runlog.history})
+                                                 "final": {**m, **final}, "initial": self.initial,
+                                                 "history": self.runlog.history})
 
 
 def load_judges(paths, reward: RewardConfig, attention_backend: str, parallel, dist: Dist, where: str,
-                lora_policy: bool = False, kl_reference: bool = True):
-    """The frozen models of an RL stage: the KL reference (``paths.reference`` or the policy's start) and, when the
-    reward uses it, the reward model with its scoring forward (its pooling; a multi-attribute model's outputs
-    combined by ``reward.reward_model_attribute_weights``, ``where`` naming that section); returns (reference,
-    reward model | None, rewards forward | None). ``lora_policy`` (the policy trains adapters) with the reference
-    being the policy's start: no reference model (None): the policy with its adapters off is the reference
-    (:func:`reference_logprobs`). ``kl_reference=False``: no reference (None) either."""
+                lora_policy: bool = False, kl_reference: bool = True, teacher: str | None = None, tokens: int = 0):
+    """The frozen models of an RL stage: the KL reference (``paths.reference`` or the policy's start; the
+    ``teacher`` when given) and, when the reward uses it, the reward model with its scoring forward (its pooling; a
+    multi-attribute model's outputs combined by ``reward.reward_model_attribute_weights``, ``where`` naming that
+    section); returns (reference, reward model | None, rewards forward | None). ``lora_policy`` (the policy trains
+    adapters) with the reference being the policy's start: no reference model (None): the policy with its adapters
+    off is the reference (:func:`reference_logprobs`). ``kl_reference=False``: no reference (None) either. A
+    reference or teacher with fewer embeddings than the tokenizer's ``tokens``, or no LM head, is refused."""
     run_time = ModelConfig(attention_backend=attention_backend)
     reference = None
-    if not kl_reference:
+    if teacher is not None:
+        log(dist, f"[rl] teacher: {teacher}")
+        reference = build_frozen(_language_model(init.resolve(teacher, run_time, 0), tokens, "the teacher", teacher),
+                                 parallel, dist)
+    elif not kl_reference:
         log(dist, "[rl] kl.beta is 0: no KL reference (no reference model, no reference forward, no KL metrics)")
     elif lora_policy and paths.reference in (None, paths.policy):
         log(dist, "[rl] KL reference: the policy with its LoRA adapters off (no second copy of the weights)")
     else:
-        reference = build_frozen(init.resolve(paths.reference or paths.policy, run_time, 0), parallel, dist)
+        path = paths.reference or paths.policy
+        reference = build_frozen(_language_model(init.resolve(path, run_time, 0), tokens, "the KL reference", path),
+                                 parallel, dist)
     if paths.reward_model is None or not reward.reward_model_weight:
         return reference, None, None
     source = init.resolve(paths.reward_model, run_time, 0)
     weights = attribute_weights(reward.reward_model_attribute_weights, source.num_outputs, where, paths.reward_model)
     rm = build_frozen(source, parallel, dist, head="value")
     return reference, rm, rewards_forward(reward_pooling(paths.reward_model), weights)
+
+
+def _language_model(source, tokens: int, role: str, path: str):
+    """``source``, unless it has no LM head or fewer embeddings than the tokenizer's ``tokens`` (0: not checked):
+    its log-probs would not be of this tokenizer's tokens."""
+    if source.head != "lm":
+        raise ConfigError(f"{role} {path} is a {source.head}-head model; it must be a policy (a language model)")
+    if tokens and source.vocab_size < tokens:
+        raise ConfigError(f"{role} {path} has {source.vocab_size} embeddings but the tokenizer has {tokens} tokens: "
+                          "it must use the policy's tokenizer")
+    return source
 
 
 def load_prompts(paths, rl: RLLoopConfig, dist: Dist, rewards: RewardFunctions
@@ -270,12 +309,13 @@ def start(stage: str, job, ckpts, prompts: PromptStream, rl: RLLoopConfig, dist:
 
 
 def export_meta(stage: str, job, tok, final: dict[str, float], last: dict[str, float],
-                kl_reference: bool = True) -> dict:
+                kl_reference: bool = True, teacher: str | None = None) -> dict:
     """meta.json fields of an RL stage's exported models: tokenizer, layout, final metrics, lineage (the KL reference
-    - None when there was none - and the reward model included)."""
+    - None when there was none -, the reward model and a distillation's teacher included)."""
     paths = job.paths
+    reference = (paths.reference or paths.policy) if kl_reference and teacher is None else None
     return {"stage": stage, "tokenizer": {"path": str(paths.tokenizer), "fingerprint": tok.fingerprint},
             "saved_with_parallel": to_dict(job.parallel),
             "metrics": {**final, **{k: v for k, v in last.items() if not k.startswith("timing/")}},
-            "lineage": {**job.lineage, "reference": (paths.reference or paths.policy) if kl_reference else None,
-                        "reward_model": paths.reward_model, "config_hash": config_hash(job)}}
+            "lineage": {**job.lineage, "reference": reference, "reward_model": paths.reward_model,
+                        **({"teacher": teacher} if teacher is not None else {}), "config_hash": config_hash(job)}}
