@@ -103,6 +103,21 @@ def test_the_task_reward_mixes_in_and_tp2_matches_one_rank(models, tmp_path):
         assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), key
 
 
+def test_an_hf_directory_teacher_grades_as_its_checkpoint_does(models, tmp_path):
+    """The teacher exported as an HF directory (what `export` writes and transformers loads) and given to the job
+    instead of the checkpoint: the same teacher log-probs, so the same first iteration."""
+    from align_pipeline.config import ExportConfig
+    from align_pipeline.launch import model_jobs
+
+    hf = tmp_path / "teacher_hf"
+    model_jobs.export(models["teacher"], str(hf), ExportConfig(), tmp_path / "export")
+    assert (hf / "config.json").is_file()
+    (a,) = run("distill", distill_job(models, tmp_path / "ckpt", models["teacher"], iterations=1))["history"]
+    (b,) = run("distill", distill_job(models, tmp_path / "hf", str(hf), iterations=1))["history"]
+    for key in ("rollout/teacher_kl", "train/reverse_kl", "train/distill_loss"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
+
+
 def test_a_teacher_without_a_language_model_head_is_refused(models, tmp_path):
     with pytest.raises(LaunchError, match="value-head model; it must be a policy"):
         run("distill", distill_job(models, tmp_path / "rm", models["rm"], iterations=1))
