@@ -38,10 +38,11 @@ TINY_MODEL = ModelConfig(
 )
 
 
-def make_sft_data(out: Path, n_train: int | None = None) -> dict[str, str]:
-    """Tokenizer + sft train/val npz from the shipped demo data (the real data_prep code path)."""
+def make_sft_data(out: Path, n_train: int | None = None, raw_file: str = "sft.jsonl") -> dict[str, str]:
+    """Tokenizer + sft train/val npz from the shipped demo data (``raw_file`` in data/01_raw; the real data_prep code
+    path)."""
     out.mkdir(parents=True, exist_ok=True)
-    raw = read_raw_jsonl(RAW / "sft.jsonl", "sft")
+    raw = read_raw_jsonl(RAW / raw_file, "sft")
     tok = build_tokenizer(TokenizerConfig(), [t for r in raw.records for t in record_texts(r)])
     tok.save(out / "tokenizer")
     enc = encode(raw, tok, TINY_MODEL.seq_length)
@@ -71,13 +72,13 @@ def make_pref_data(out: Path, tokenizer_dir: str) -> dict[str, str]:
     return paths
 
 
-def make_prompts(out: Path, tokenizer_dir: str) -> dict[str, str]:
-    """prompts_train/prompts_val .jsonl (prompt, prompt_ids, answer) from the shipped demo prompts."""
+def make_prompts(out: Path, tokenizer_dir: str, raw_file: str = "prompts.jsonl") -> dict[str, str]:
+    """prompts_train/prompts_val .jsonl (prompt, prompt_ids, answer) from the shipped demo prompts (``raw_file``)."""
     from align_pipeline.data.tokenizer import load_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(tokenizer_dir)
-    raw = read_raw_jsonl(RAW / "prompts.jsonl", "prompts")
+    raw = read_raw_jsonl(RAW / raw_file, "prompts")
     parts = split_encoded(encode(raw, tok, TINY_MODEL.seq_length), raw, tok, DataPrepConfig(), TINY_MODEL.seq_length)
     paths = {}
     for split, bundle in parts.items():
