@@ -71,7 +71,8 @@ def _one_error(done: subprocess.CompletedProcess, message: str, max_lines: int =
 def test_unknown_pipeline_and_node_end_with_one_line_and_the_closest_names(project):
     done = _kedro(project, "--pipelines", "data_prep,dpoo")
     _one_error(done, "--pipelines: unknown pipeline 'dpoo' (did you mean 'dpo' or 'dpo_flow'?); pipelines: data_prep, "
-                     "data_prep_prompts, dpo, dpo_evaluation, dpo_flow, evaluation, export, ppo, reasoning, "
+                     "data_prep_prompts, distill, distill_evaluation, distill_from_path, dpo, dpo_evaluation, "
+                     "dpo_flow, evaluation, export, ppo, reasoning, "
                      "regression_data, reinforce, reinforce_rm, reward_model, rlhf, sft, steerlm_reward_model",
                max_lines=4)  # fmt: skip
     assert not (project / "mlflow.db").exists()  # refused before Kedro opened a session (and the MLflow hook a run)
