@@ -51,7 +51,7 @@ GENERATING_STAGES: dict[str, str] = {
 }
 """Stages that need pipeline_model_parallel_size 1 (generation runs on whole models only), and why."""
 
-HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 """The ``model_type`` values of an HF ``config.json`` that ``model.hf`` imports (and exports)."""
 
 SUPERVISED_STAGES = frozenset({"sft", "reward_model", "dpo"})
@@ -78,7 +78,10 @@ class Arch:
         return self.spelled.get(name) or f"{self.prefix}.{name}"
 
     def show(self, name: str) -> str:
-        return f"{self.key(name)}={getattr(self.model, name)}"
+        value = self.model
+        for part in name.split("."):  # moe.num_experts
+            value = getattr(value, part)
+        return f"{self.key(name)}={value}"
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,14 @@ def check_world(parallel: ParallelConfig, world: int, names: Names = Names()) ->
             f"{names.world or f'world size {world}'} is not divisible by {names.parallel}.tensor_model_parallel_size={tp} x "
             f"{names.parallel}.pipeline_model_parallel_size={pp} (world size = TP x PP x DP)"
         )
+    ep = parallel.expert_model_parallel_size
+    etp = parallel.expert_tensor_parallel_size or tp
+    if world % (ep * etp * pp):
+        raise ConfigError(
+            f"{names.world or f'world size {world}'} is not divisible by {names.parallel}.expert_model_parallel_size="
+            f"{ep} x expert TP {etp} x {names.parallel}.pipeline_model_parallel_size={pp} (the experts' layout: "
+            "EP x expert TP x PP x expert DP)"
+        )
     return world // (tp * pp)
 
 
@@ -231,6 +242,20 @@ def check_model_parallel(arch: Arch, parallel: ParallelConfig, names: Names = Na
             f"{arch.show('num_query_groups')} (key/value heads are split over TP ranks, or replicated "
             "when fewer)"
         )
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size or tp
+    if not m.moe.enabled() and (ep > 1 or parallel.expert_tensor_parallel_size not in (None, tp)):
+        raise ConfigError(f"{p}.expert_model_parallel_size={ep} / expert_tensor_parallel_size need a "
+                          f"mixture-of-experts model ({arch.show('moe.num_experts')} is 0)")
+    if m.moe.enabled() and m.moe.num_experts % ep:
+        raise ConfigError(f"{p}.expert_model_parallel_size={ep} does not divide {arch.show('moe.num_experts')} "
+                          "(every EP rank holds the same number of experts)")
+    if m.moe.enabled() and ep > 1 and tp > 1 and not parallel.sequence_parallel:
+        raise ConfigError(f"{p}.expert_model_parallel_size={ep} with {p}.tensor_model_parallel_size={tp} needs "
+                          f"sequence parallelism (Megatron's MoE layer): set {p}.sequence_parallel: true")
+    expert_ffn = m.moe.ffn_hidden_size or m.ffn_hidden_size
+    if m.moe.enabled() and expert_ffn and expert_ffn % etp:
+        raise ConfigError(f"expert TP {etp} ({p}.expert_tensor_parallel_size, default: TP) does not divide the "
+                          f"experts' ffn_hidden_size={expert_ffn}")
     if m.num_layers % pp:
         raise ConfigError(
             f"{p}.pipeline_model_parallel_size={pp} does not divide {arch.show('num_layers')} "

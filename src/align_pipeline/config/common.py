@@ -14,6 +14,58 @@ from align_pipeline.config.reward_spec import load_reward_function
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts MLPs (Megatron-core's MoE layer: a router picks ``router_topk`` of ``num_experts`` SwiGLU
+    experts per token). ``num_experts`` 0 = a dense model. Imported HF models (Qwen3-MoE, Mixtral) set every field
+    from their ``config.json``."""
+
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 = dense MLPs everywhere."""
+    router_topk: int = 2
+    """Experts each token is sent to."""
+    ffn_hidden_size: int | None = None
+    """One expert's inner width (per gate); None = model.ffn_hidden_size."""
+    layers: list[int] | None = None
+    """Which layers are MoE: one 0/1 per layer (1 = MoE, 0 = a dense MLP of model.ffn_hidden_size); None = all."""
+    router_pre_softmax: bool = False
+    """The gate weights: false = softmax over the chosen experts' logits (they sum to 1: Mixtral, Qwen3-MoE with
+    norm_topk_prob); true = softmax over all experts, the chosen ones' probabilities kept as they are (Qwen3-MoE
+    without norm_topk_prob)."""
+    aux_loss_coeff: float = 0.0
+    """Load-balancing loss (Switch Transformer: experts x sum over experts of the fraction of tokens routed there x
+    its mean router probability), per MoE layer and micro-batch, times this; 0 = off. Imported models take the
+    family's ``router_aux_loss_coef`` when their config trains with it (``output_router_logits``), else 0."""
+    z_loss_coeff: float = 0.0
+    """Router z-loss (ST-MoE: mean squared logsumexp of the router logits) times this; 0 = off (neither Qwen3-MoE nor
+    Mixtral defines one)."""
+
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_is_moe(self, index: int) -> bool:
+        """Layer ``index`` (global, 0-based) has an MoE MLP."""
+        return self.enabled() and (self.layers is None or bool(self.layers[index]))
+
+    def validate(self, where: str = "model.moe", num_layers: int | None = None) -> None:
+        require_at_least(self, where, 0, "num_experts")
+        require_at_least(self, where, 1, "router_topk", "ffn_hidden_size")
+        for name in ("aux_loss_coeff", "z_loss_coeff"):
+            require_range(self, where, name, 0)
+        if not self.enabled():
+            return
+        if self.router_topk > self.num_experts:
+            raise ConfigError(f"{where}.router_topk={self.router_topk} exceeds {where}.num_experts={self.num_experts}")
+        if self.layers is not None:
+            if any(v not in (0, 1) for v in self.layers):
+                raise ConfigError(f"{where}.layers must hold 0 (dense) or 1 (MoE) per layer, got {self.layers}")
+            if num_layers is not None and len(self.layers) != num_layers:
+                raise ConfigError(f"{where}.layers has {len(self.layers)} entries for model.num_layers={num_layers}")
+            if not any(self.layers):
+                raise ConfigError(f"{where}.layers marks no layer as MoE (set {where}.num_experts: 0 for a dense "
+                                  "model)")
+
+
+@dataclass
 class ModelConfig:
     """Architecture of the GPT (Llama-style: RoPE, RMSNorm, SwiGLU, optional GQA)."""
 
@@ -80,9 +132,11 @@ class ModelConfig:
     max_position_embeddings: int | None = None
     """Context length of an imported model (HF ``max_position_embeddings``), written back on export; None =
     seq_length. Training uses seq_length."""
-    hf_family: Literal["llama", "qwen2", "qwen3", "mistral"] | None = None
+    hf_family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"] | None = None
     """The Hugging Face family the model was imported from and is exported as; None = the family its architecture
     implies (QK norm: qwen3; QKV-only biases: qwen2; else llama)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts MLPs (off by default)."""
 
     def validate(self, where: str = "model") -> None:
         require_at_least(self, where, 1, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -108,6 +162,9 @@ class ModelConfig:
                               f"{self.sliding_window} (sliding-window attention is not implemented)")
         if self.qk_layernorm and self.normalization != "RMSNorm":
             raise ConfigError(f"{where}.qk_layernorm needs normalization: RMSNorm")
+        self.moe.validate(f"{where}.moe", self.num_layers)
+        if self.moe.enabled() and self.activation != "swiglu":
+            raise ConfigError(f"{where}.moe: experts are SwiGLU MLPs; set {where}.activation: swiglu")
 
 
 @dataclass
@@ -118,6 +175,12 @@ class ParallelConfig:
     """Tensor parallel size (shards attention heads and MLP)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline parallel size (splits layers into stages)."""
+    expert_model_parallel_size: int = 1
+    """Expert parallel size (EP): an MoE model's experts are split over EP ranks, tokens travel to their experts'
+    ranks. EP ranks are data-parallel ranks for the rest of the model: world = TP x PP x DP, and EP x expert TP x PP
+    must divide the world too."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor parallel size inside each expert (expert TP); None = tensor_model_parallel_size."""
     sequence_parallel: bool = False
     """Shard norms/dropout along the sequence across TP ranks (needs TP > 1)."""
     use_distributed_optimizer: bool = False
@@ -140,7 +203,7 @@ class ParallelConfig:
 
     def validate(self, where: str = "parallel") -> None:
         require_at_least(self, where, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                         "recompute_num_layers")
+                         "recompute_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size")
         require_at_least(self, where, 0, "logits_chunk_tokens")
 
 

@@ -71,9 +71,9 @@ def check_parity(checkpoint: str | os.PathLike, hf_dir: str | os.PathLike, work_
 
 def import_hf(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike, tp: int = 1, pp: int = 1,
               seq_length: int | None = None, work_dir: str | os.PathLike | None = None,
-              source: str | None = None) -> dict[str, Any]:
+              source: str | None = None, ep: int = 1) -> dict[str, Any]:
     """Convert the HF model in ``hf_dir`` into a model checkpoint at ``checkpoint`` (must not exist), written by a
-    TP x PP torchrun job (gloo on CPU, NCCL on GPUs). ``seq_length``: the training length recorded in the
+    TP x PP x EP torchrun job (gloo on CPU, NCCL on GPUs; ``ep`` > 1: an MoE model's experts split over EP ranks). ``seq_length``: the training length recorded in the
     checkpoint (default: the model's context, at most 4096). Returns the job's summary. The job runs in ``work_dir``
     (default: a temporary directory, removed after a success and kept after a failure, whose error names its logs).
     ``source``: what ``hf_dir`` was converted from (a ``.nemo``), recorded as the checkpoint's parent.
@@ -87,8 +87,9 @@ def import_hf(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike, tp: int 
     seq_length = seq_length or min(int(context), 4096)
     model_config_from_hf(hf_dir, ModelConfig(seq_length=seq_length))  # refuse unsupported models before launching
     config = {"hf_dir": str(hf_dir), "out": str(checkpoint), "seq_length": seq_length, "source": source,
-              "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}}
-    launch = LaunchConfig(nproc_per_node=tp * pp)
+              "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                           "expert_model_parallel_size": ep}}
+    launch = LaunchConfig(nproc_per_node=tp * pp * ep)
     if work_dir:
         return run_torchrun("align_pipeline.train.jobs.import_hf", config, launch, Path(work_dir), name="import")
     with job_work_dir("align-import-") as work:

@@ -212,6 +212,7 @@ def prepare_generation(model, *, batch: int, length: int, prompt_len: int, vocab
     t0 = time.perf_counter()
     engine = decode_engine(gpt, batch, length)
     captured = engine.capture_seconds
+    cuda_graphs = cuda_graphs and not gpt.config.num_moe_experts  # see _decode_continuous
     if engine.device.type == "cuda":
         if cuda_graphs:
             with _inference_mode(model, gpt), engine.attached(gpt):
@@ -366,7 +367,8 @@ def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_toke
     length = _bucketed(max(len(x) for x in prompts), bucket) + max_new_tokens
     slots = decode_slots(gpt, slots, length, kv_cache_gib)
     engine = decode_engine(gpt, slots, length, max_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib > 0 else None)
-    graphs = cuda_graphs and engine.device.type == "cuda"
+    # An MoE step routes a data-dependent number of tokens to each expert (host-side splits): not capturable.
+    graphs = cuda_graphs and engine.device.type == "cuda" and not gpt.config.num_moe_experts
     # Ended rows are looked for every few steps on a GPU (each look waits for the GPU), every step on the CPU; free
     # slots are refilled once a sixteenth of them are free (each refill is a prefill).
     check_every = 8 if engine.device.type == "cuda" else 1

@@ -113,10 +113,49 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides
         "recompute_method": "uniform" if recompute == "full" else None,
         "recompute_num_layers": parallel.recompute_num_layers if recompute == "full" else None,
     }
+    kwargs.update(moe_config(model, parallel))
     fused = kernels.use_fused(parallel.kernels, resolve_attention_backend(model))
     kwargs.update(kernels.config_overrides(fused, model.activation == "swiglu", model.add_bias_linear))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_config(model: ModelConfig, parallel: ParallelConfig) -> dict:
+    """Megatron's MoE settings for ``model.moe`` (none for a dense model).
+
+    Dropless routing (no capacity factor); the router's logits and softmax in fp32; tokens reach their experts by
+    all-to-all on GPUs, by all-gather on CPU (gloo). Experts are :class:`SequentialMLP` (one GEMM pair per local
+    expert over its sorted tokens) unless grouped GEMMs are on (:func:`block_spec`)."""
+    moe = model.moe
+    if not moe.enabled():
+        return {}
+    _without_te_gemm()
+    balancing = "aux_loss" if moe.aux_loss_coeff > 0 else "none"
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_router_topk": moe.router_topk,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
+        "moe_layer_freq": list(moe.layers) if moe.layers is not None else 1,
+        "moe_router_pre_softmax": moe.router_pre_softmax,
+        "moe_router_score_function": "softmax",
+        "moe_router_load_balancing_type": balancing,
+        "moe_aux_loss_coeff": moe.aux_loss_coeff,
+        "moe_z_loss_coeff": moe.z_loss_coeff or None,
+        "moe_router_dtype": "fp32",
+        "moe_token_dispatcher_type": "alltoall" if torch.cuda.is_available() else "allgather",
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": parallel.expert_model_parallel_size,
+        "expert_tensor_parallel_size": parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size,
+    }
+
+
+def _without_te_gemm() -> None:
+    """Megatron 0.16's router reads ``moe_utils.te_general_gemm``, which exists only when Transformer Engine imports
+    (a NameError otherwise): without TE it is None, and the router takes its torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def block_spec(model: ModelConfig, config: TransformerConfig, pp_rank: int, fused: bool = False,
@@ -132,33 +171,73 @@ def block_spec(model: ModelConfig, config: TransformerConfig, pp_rank: int, fuse
     if backend == "te" and lora is not None and lora.rank:
         raise ValueError("LoRA adapters go on Megatron's local linears: set model.attention_backend: sdpa "
                          "(Transformer Engine's fused linears take none here)")
+    n_local = get_num_layers_to_build(config, pp_rank=pp_rank)
+    offset = pp_rank * n_local  # every stage holds the same number of layers (checked)
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
-    norm = FusedTorchNorm if fused else TorchNorm
-    layer = get_gpt_layer_local_spec(normalization=model.normalization, qk_layernorm=model.qk_layernorm)
-    attn = layer.submodules.self_attention
-    replaced = {"core_attention": SDPAttention} if backend == "sdpa" else {}
-    if model.qk_layernorm:
-        replaced |= {"q_layernorm": norm, "k_layernorm": norm}
-    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, **replaced))
-    mlp = layer.submodules.mlp
-    if config.use_te_activation_func:  # set by kernels.config_overrides: the fused SwiGLU module
-        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules,
-                                                                      activation_func=kernels.FusedSwiGLU))
-    layer = dataclasses.replace(
-        layer,
-        submodules=dataclasses.replace(
-            layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attn, mlp=mlp
-        ),
-    )
-    if lora is not None and lora.rank:
-        from align_pipeline.model.lora import lora_layer_spec
+        if not model.moe.enabled():
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+        from megatron.core.extensions.transformer_engine import TENorm
 
-        layer = lora_layer_spec(layer, lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
-    n_local = get_num_layers_to_build(config, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * n_local, layer_norm=norm)
+        te_dense, te_moe = (get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=model.qk_layernorm)
+            for experts in (None, model.moe.num_experts))
+        return TransformerBlockSubmodules(
+            layer_specs=[te_moe if model.moe.layer_is_moe(offset + i) else te_dense for i in range(n_local)],
+            layer_norm=TENorm)
+    norm = FusedTorchNorm if fused else TorchNorm
+
+    def local_layer(num_experts: int | None) -> ModuleSpec:
+        layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                         normalization=model.normalization, qk_layernorm=model.qk_layernorm)
+        attn = layer.submodules.self_attention
+        replaced = {"core_attention": SDPAttention} if backend == "sdpa" else {}
+        if model.qk_layernorm:
+            replaced |= {"q_layernorm": norm, "k_layernorm": norm}
+        attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, **replaced))
+        mlp = layer.submodules.mlp
+        if config.use_te_activation_func:  # set by kernels.config_overrides: the fused SwiGLU module
+            mlp = _with_activation(mlp, kernels.FusedSwiGLU)
+        layer = dataclasses.replace(
+            layer,
+            submodules=dataclasses.replace(
+                layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attn, mlp=mlp
+            ),
+        )
+        if lora is not None and lora.rank:
+            from align_pipeline.model.lora import lora_layer_spec
+
+            layer = lora_layer_spec(layer, lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
+        return layer
+
+    dense = local_layer(None)
+    if not model.moe.enabled():
+        return TransformerBlockSubmodules(layer_specs=[dense] * n_local, layer_norm=norm)
+    from align_pipeline.model.moe import SeededSequentialMLP
+
+    moe = local_layer(model.moe.num_experts)
+    experts = moe.submodules.mlp.submodules.experts
+    moe = _replace_mlp(moe, experts=dataclasses.replace(experts, module=SeededSequentialMLP))
+    return TransformerBlockSubmodules(
+        layer_specs=[moe if model.moe.layer_is_moe(offset + i) else dense for i in range(n_local)], layer_norm=norm)
+
+
+def _replace_mlp(layer: ModuleSpec, **submodules) -> ModuleSpec:
+    mlp = layer.submodules.mlp
+    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, **submodules))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
+
+
+def _with_activation(mlp: ModuleSpec, activation) -> ModuleSpec:
+    """``mlp`` (a dense MLP's spec, or an MoE layer's) with ``activation`` as the SwiGLU module of every MLP in it."""
+    if mlp.submodules is None:
+        return mlp
+    if hasattr(mlp.submodules, "activation_func"):
+        return dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, activation_func=activation))
+    replaced = {name: _with_activation(getattr(mlp.submodules, name), activation)
+                for name in ("experts", "shared_experts") if getattr(mlp.submodules, name, None) is not None}
+    return dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, **replaced))
 
 
 def build_gpt(
@@ -188,6 +267,10 @@ def build_gpt(
         rotary_base=model.rotary_base,  # a float theta must not be truncated
         pg_collection=pg_collection,
     )
+    if model.moe.enabled() and gpt.config.use_cpu_initialization:
+        from align_pipeline.model.moe import init_experts
+
+        init_experts(gpt, torch.initial_seed())  # the same experts at every EP x expert-TP layout
     if model.position_embedding_type == "rope":
         # Megatron's RoPE knows only plain theta (and Llama 3's scaling with fixed constants): install ours.
         gpt.rotary_pos_emb.inv_freq = rope.inv_freq(model, gpt.rotary_pos_emb.inv_freq.device)

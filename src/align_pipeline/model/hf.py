@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from align_pipeline.config.checks import HF_MODEL_TYPES
-from align_pipeline.config.common import ModelConfig
+from align_pipeline.config.common import ModelConfig, MoEConfig
 
 SUPPORTED_MODEL_TYPES = HF_MODEL_TYPES  # one list, also read before any node runs (config.checks.start_arch)
 
@@ -102,7 +102,7 @@ def _sliding_window(cfg: dict[str, Any], model_type: str, seq_length: int, where
     """The window of sliding-window attention, if the model uses one. Within a window attention is full, so a model
     with a window of at least ``seq_length`` is reproduced exactly; a shorter window is refused."""
     window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         used = cfg.get("use_sliding_window", False) or "sliding_attention" in (cfg.get("layer_types") or [])
         window = window if used else None
     if window is None:
@@ -113,6 +113,51 @@ def _sliding_window(cfg: dict[str, Any], model_type: str, seq_length: int, where
             f"attention is not implemented, so train with model.seq_length <= {window} (attention is then full)"
         )
     return int(window)
+
+
+def _moe(cfg: dict[str, Any], model_type: str, layers: int, where: Path) -> MoEConfig:
+    """The MoE section of a Qwen3-MoE or Mixtral ``config.json`` (a dense family: none).
+
+    Qwen3-MoE: ``num_experts`` (transformers 5 writes ``num_local_experts``) of ``moe_intermediate_size``, top
+    ``num_experts_per_tok``; layer i is MoE unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``
+    (those are dense MLPs of ``intermediate_size``); ``norm_topk_prob`` renormalises the chosen experts'
+    probabilities. Mixtral: ``num_local_experts`` of ``intermediate_size`` in every layer, always renormalised. Both:
+    the load-balancing loss with ``router_aux_loss_coef`` when ``output_router_logits`` (HF trains with it only
+    then)."""
+    if model_type not in ("qwen3_moe", "mixtral"):
+        return MoEConfig()
+
+    def need(*keys: str) -> Any:
+        for key in keys:
+            if cfg.get(key) is not None:
+                return cfg[key]
+        raise HFConversionError(f"{where}: required field {keys[0]!r} is missing")
+
+    if model_type == "mixtral":
+        experts, ffn, normalised, pattern = int(need("num_local_experts")), int(need("intermediate_size")), True, None
+        if float(cfg.get("router_jitter_noise") or 0.0):
+            raise HFConversionError(f"{where}: router_jitter_noise={cfg['router_jitter_noise']} is not supported "
+                                    "(only 0.0)")
+    else:
+        experts, ffn = int(need("num_experts", "num_local_experts")), int(need("moe_intermediate_size"))
+        normalised = bool(cfg.get("norm_topk_prob", False))
+        step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+        pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+        if all(pattern):
+            pattern = None
+        elif not any(pattern):
+            raise HFConversionError(f"{where}: mlp_only_layers / decoder_sparse_step leave no MoE layer")
+        elif cfg.get("intermediate_size") is None:
+            raise HFConversionError(f"{where}: required field 'intermediate_size' is missing (the dense layers' MLP)")
+    if experts < 1:
+        raise HFConversionError(f"{where}: {'num_local_experts' if model_type == 'mixtral' else 'num_experts'}="
+                                f"{experts}: no experts")
+    topk = int(need("num_experts_per_tok"))
+    if not 1 <= topk <= experts:
+        raise HFConversionError(f"{where}: num_experts_per_tok={topk} is not in [1, {experts}]")
+    aux = float(cfg.get("router_aux_loss_coef") or 0.0) if cfg.get("output_router_logits") else 0.0
+    return MoEConfig(num_experts=experts, router_topk=topk, ffn_hidden_size=ffn, layers=pattern,
+                     router_pre_softmax=not normalised, aux_loss_coeff=aux)
 
 
 def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConfig, int]:
@@ -152,7 +197,12 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConf
 
     if model_type == "qwen2":
         add_qkv_bias, add_bias_linear = True, False
-    elif model_type == "mistral":
+    elif model_type in ("mistral", "mixtral"):
+        add_qkv_bias, add_bias_linear = False, False
+    elif model_type == "qwen3_moe":
+        if cfg.get("attention_bias"):
+            raise HFConversionError(f"{where}: attention_bias=true is not supported for qwen3_moe (our MoE GPT has "
+                                    "no biases)")
         add_qkv_bias, add_bias_linear = False, False
     else:  # llama, qwen3: attention_bias (q, k, v and o) and, for llama, mlp_bias
         attention_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
@@ -164,19 +214,21 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConf
         add_qkv_bias, add_bias_linear = False, attention_bias
 
     vocab = int(need("vocab_size"))
+    moe = _moe(cfg, model_type, layers, where)
+    dense_ffn = cfg.get("intermediate_size") if model_type == "qwen3_moe" else need("intermediate_size")
     model = ModelConfig(
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=kv_heads,
-        ffn_hidden_size=int(need("intermediate_size")),
+        ffn_hidden_size=int(dense_ffn or moe.ffn_hidden_size),
         seq_length=base.seq_length,
         vocab_size=vocab,
         make_vocab_size_divisible_by=base.make_vocab_size_divisible_by,
         position_embedding_type="rope",
         **_rope(cfg, where),
         kv_channels=head_dim if head_dim * heads != hidden else None,
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         sliding_window=_sliding_window(cfg, model_type, base.seq_length, where),
         normalization="RMSNorm",
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -190,6 +242,7 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConf
         attention_backend=base.attention_backend,
         max_position_embeddings=cfg.get("max_position_embeddings"),
         hf_family=model_type,
+        moe=moe,
     )
     model.validate()
     return model, vocab
@@ -272,6 +325,7 @@ class HFTensors:
 
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
 def _tp_rank_size(gpt) -> tuple[int, int]:
@@ -282,17 +336,60 @@ def _tp_rank_size(gpt) -> tuple[int, int]:
     return pgs.tp.rank(), pgs.tp.size()
 
 
-def expected_hf_keys(config, tied: bool) -> tuple[set[str], set[str]]:
-    """(required, optional) canonical HF names for a Megatron ``TransformerConfig`` (whole model, every stage)."""
+def is_moe_layer(config, i: int) -> bool:
+    """Layer ``i`` of a Megatron ``TransformerConfig`` has an MoE MLP."""
+    if not config.num_moe_experts:
+        return False
+    freq = config.moe_layer_freq
+    return bool(freq[i]) if isinstance(freq, list) else i % freq == 0
+
+
+class MoENames:
+    """HF names of one MoE layer's router and experts: Qwen3-MoE (``mlp.gate``, ``mlp.experts.E.{gate,up,down}_proj``)
+    or Mixtral (``block_sparse_moe.gate``, ``block_sparse_moe.experts.E.{w1,w3,w2}``: gate, up, down). transformers 5
+    holds the experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2F, H] with the gate rows first,
+    ``mlp.experts.down_proj`` [E, H, F]) and writes them per expert; a directory with the fused form reads too."""
+
+    def __init__(self, family: str):
+        if family == "mixtral":
+            self.block, self.parts = "block_sparse_moe", ("w1", "w3", "w2")
+        else:
+            self.block, self.parts = "mlp", ("gate_proj", "up_proj", "down_proj")
+
+    def router(self, pre: str) -> str:
+        return f"{pre}{self.block}.gate.weight"
+
+    def expert(self, pre: str, e: int, part: int) -> str:
+        """``part``: 0 gate, 1 up, 2 down."""
+        return f"{pre}{self.block}.experts.{e}.{self.parts[part]}.weight"
+
+    @staticmethod
+    def fused(pre: str) -> tuple[str, str]:
+        return f"{pre}mlp.experts.gate_up_proj", f"{pre}mlp.experts.down_proj"
+
+    def keys(self, pre: str, experts: int, present: set[str]) -> set[str]:
+        if set(self.fused(pre)) & present:
+            return {self.router(pre), *self.fused(pre)}
+        return {self.router(pre)} | {self.expert(pre, e, k) for e in range(experts) for k in range(3)}
+
+
+def expected_hf_keys(config, tied: bool, family: str | None = None,
+                     present: set[str] | None = None) -> tuple[set[str], set[str]]:
+    """(required, optional) canonical HF names for a Megatron ``TransformerConfig`` (whole model, every stage);
+    an MoE model's experts are named as ``family`` names them, per expert or fused as ``present`` holds them."""
     required = {"embed_tokens.weight", "norm.weight"}
     optional = set()
     (optional if tied else required).add("lm_head.weight")
+    moe = MoENames(family or "")
     for i in range(config.num_layers):
         pre = f"layers.{i}."
         required |= {pre + n for n in (
             "input_layernorm.weight", "post_attention_layernorm.weight",
-            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight")}
+        if is_moe_layer(config, i):
+            required |= moe.keys(pre, config.num_moe_experts, present or set())
+        else:
+            required |= {pre + n for n in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
         if config.qk_layernorm:
             required |= {pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"}
         if config.add_qkv_bias or config.add_bias_linear:
@@ -337,7 +434,8 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
     hf = HFTensors(path)
 
     present = hf.keys()
-    required, optional = expected_hf_keys(config, tied or value_head)  # lm_head optional
+    family = read_hf_config(path).get("model_type")
+    required, optional = expected_hf_keys(config, tied or value_head, family, present)  # lm_head optional
     missing = sorted(required - present)
     unexpected = sorted(k for k in present - required - optional if not _IGNORED.search(k))
     if missing or unexpected:
@@ -378,6 +476,38 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
         gate = get(f"{pre}mlp.gate_proj.{suffix}", (ffn, *rest))
         up = get(f"{pre}mlp.up_proj.{suffix}", (ffn, *rest))
         return torch.cat([_rows(gate, tp_rank, tp_size), _rows(up, tp_rank, tp_size)])
+
+    moe = MoENames(family or "")
+    if config.num_moe_experts:
+        ep_rank, ep_size = gpt.pg_collection.ep.rank(), gpt.pg_collection.ep.size()
+        etp_rank, etp_size = gpt.pg_collection.expt_tp.rank(), gpt.pg_collection.expt_tp.size()
+        experts, expert_ffn = config.num_moe_experts, config.moe_ffn_hidden_size
+        local_experts = experts // ep_size
+
+    def expert_weight(pre: str, j: int, part: int) -> torch.Tensor:
+        """Local expert ``j``'s gate (0), up (1) or down (2) weight, whole (this EP rank's expert ep_rank x local + j)."""
+        e = ep_rank * local_experts + j
+        shape = (hidden, expert_ffn) if part == 2 else (expert_ffn, hidden)
+        gate_up, down = moe.fused(pre)
+        if gate_up in present:
+            fused = get(down, (experts, hidden, expert_ffn)) if part == 2 else \
+                get(gate_up, (experts, 2 * expert_ffn, hidden))
+            return fused[e] if part == 2 else fused[e].chunk(2)[part]
+        return get(moe.expert(pre, e, part), shape)
+
+    def expert_source(pre: str, rest: str) -> Callable[[], torch.Tensor] | None:
+        m = _EXPERT.match(rest)
+        if rest == "mlp.router.weight":
+            return lambda: get(moe.router(pre), (experts, hidden))
+        if m is None:
+            return None
+        j, linear = int(m.group(1)), m.group(2)
+        if linear == "linear_fc1.weight":
+            return lambda: torch.cat([_rows(expert_weight(pre, j, 0), etp_rank, etp_size),
+                                      _rows(expert_weight(pre, j, 1), etp_rank, etp_size)])
+        if linear == "linear_fc2.weight":
+            return lambda: _rows(expert_weight(pre, j, 2), etp_rank, etp_size, dim=1)
+        return None
 
     def vocab_rows(name: str, local_rows: int) -> torch.Tensor:
         t = hf.get(name)
@@ -427,7 +557,9 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
             source = (lambda p=param, key=key: vocab_rows(key, p.shape[0]))
         elif m := _LAYER.match(name):
             global_index = gpt.decoder.layers[int(m.group(1))].layer_number - 1  # includes the PP stage offset
-            source = layer_source(f"layers.{global_index}.", m.group(2))
+            pre = f"layers.{global_index}."
+            source = layer_source(pre, m.group(2)) or (
+                expert_source(pre, m.group(2)) if config.num_moe_experts else None)
         if source is None:
             unmapped.append(name)
         else:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -70,6 +71,9 @@ def _refused_as_export_error():
         raise HFExportError(str(exc)) from None
 
 
+_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
 class CheckpointTensors:
     """The whole (TP/PP-gathered) tensors of a model checkpoint, read by name without building the model.
 
@@ -83,9 +87,12 @@ class CheckpointTensors:
             self._metadata = _reader(self.path).read_metadata()
         metadata = self._metadata.state_dict_metadata
         self.shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in metadata.items() if hasattr(v, "size")}
+        # Megatron stores the layers one key each when they differ (an MoE model with dense layers among its MoE
+        # ones): "decoder.layers.<i>.<rest>"; those read as the stacked name "decoder.layers.<rest>" does.
+        self._per_layer = {f"decoder.layers.{m.group(2)}" for k in self.shapes if (m := _PER_LAYER.match(k))}
 
     def has(self, name: str) -> bool:
-        return name in self.shapes
+        return name in self.shapes or name in self._per_layer
 
     def read(self, *names: str) -> dict[str, torch.Tensor]:
         """Whole tensors (through ``torch.distributed.checkpoint``)."""
@@ -105,6 +112,9 @@ class CheckpointTensors:
 
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
+        if name not in self.shapes and name in self._per_layer:
+            own = name.replace("decoder.layers.", f"decoder.layers.{i}.", 1)
+            return self.read(own)[own]
         if name not in self.shapes:
             raise HFExportError(f"{self.path}: the checkpoint has no tensor {name}")
         shape, dtype = self.shapes[name]
@@ -179,7 +189,9 @@ def open_tensors(checkpoint: str | os.PathLike):
     return MergedCheckpointTensors(checkpoint, inner, meta) if inner is not None else None
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe",
+                "mixtral": "Mixtral"}
 
 
 def family_of(model: ModelConfig) -> str:
@@ -196,7 +208,11 @@ def family_of(model: ModelConfig) -> str:
     if problems:
         raise HFExportError(f"no HF family ({', '.join(FAMILIES)}) has this architecture: " + "; ".join(problems))
     qkv_only_bias = model.add_qkv_bias and not model.add_bias_linear
+    if model.moe.enabled():
+        return _moe_family(model)
     family = model.hf_family or ("qwen3" if model.qk_layernorm else "qwen2" if qkv_only_bias else "llama")
+    if family in ("qwen3_moe", "mixtral"):
+        raise HFExportError(f"model.hf_family={family!r} is a mixture-of-experts family but model.moe.num_experts is 0")
     needs = {  # family -> (QK norm, QKV-only biases, biases on every linear layer allowed)
         "llama": (False, False, True), "qwen2": (False, True, False), "qwen3": (True, False, True),
         "mistral": (False, False, False),
@@ -207,6 +223,43 @@ def family_of(model: ModelConfig) -> str:
         raise HFExportError(f"model.hf_family={family!r} cannot hold qk_layernorm={model.qk_layernorm}, "
                             f"add_qkv_bias={model.add_qkv_bias}, add_bias_linear={model.add_bias_linear}")
     return family
+
+
+def _moe_family(model: ModelConfig) -> str:
+    """An MoE model's family: its ``hf_family``, else Qwen3-MoE with QK norm and Mixtral without. Mixtral has no
+    dense layers, no QK norm and always renormalises the chosen experts' weights; Qwen3-MoE always has QK norm."""
+    moe = model.moe
+    family = model.hf_family or ("qwen3_moe" if model.qk_layernorm else "mixtral")
+    problems = []
+    if family not in ("qwen3_moe", "mixtral"):
+        problems.append(f"model.hf_family={family!r} has no experts")
+    if model.add_bias_linear or model.add_qkv_bias:
+        problems.append("linear biases")
+    if family == "mixtral" and model.qk_layernorm:
+        problems.append("qk_layernorm (Mixtral has none)")
+    if family == "qwen3_moe" and not model.qk_layernorm:
+        problems.append("no qk_layernorm (Qwen3-MoE always has it)")
+    if family == "mixtral" and moe.layers is not None and not all(moe.layers):
+        problems.append(f"dense layers (moe.layers={moe.layers}; every Mixtral layer is MoE)")
+    if family == "mixtral" and moe.router_pre_softmax:
+        problems.append("moe.router_pre_softmax (Mixtral renormalises the chosen experts' weights)")
+    if problems:
+        raise HFExportError(f"the MoE model cannot be written as {family!r}: " + "; ".join(problems))
+    return family
+
+
+def _moe_config_kwargs(model: ModelConfig, family: str) -> dict[str, Any]:
+    moe = model.moe
+    expert_ffn = moe.ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
+    common = {"num_experts_per_tok": moe.router_topk, "router_aux_loss_coef": moe.aux_loss_coeff or 0.001,
+              "output_router_logits": moe.aux_loss_coeff > 0}
+    if family == "mixtral":
+        return {**common, "num_local_experts": moe.num_experts, "intermediate_size": expert_ffn,
+                "router_jitter_noise": 0.0}
+    dense = [i for i in range(model.num_layers) if not moe.layer_is_moe(i)]
+    return {**common, "num_experts": moe.num_experts, "moe_intermediate_size": expert_ffn,
+            "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size, "decoder_sparse_step": 1,
+            "mlp_only_layers": dense, "norm_topk_prob": not moe.router_pre_softmax}
 
 
 def _rope_parameters(model: ModelConfig) -> dict[str, Any]:
@@ -248,21 +301,21 @@ def hf_config(model: ModelConfig, vocab_size: int, dtype: torch.dtype, tokens: d
         kwargs["head_dim"] = rope.head_dim(model)
     if family == "llama":
         kwargs |= {"attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear}
-    elif family == "qwen3":
+    elif family in ("qwen3", "qwen3_moe"):
         kwargs |= {"attention_bias": model.add_bias_linear, "use_sliding_window": False,
                    "sliding_window": model.sliding_window}
     elif family == "qwen2":
         kwargs |= {"use_sliding_window": False, "sliding_window": model.sliding_window}
     else:
         kwargs |= {"sliding_window": model.sliding_window}
-    cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}[family]
-    return getattr(transformers, cls)(**kwargs)
+    if family in ("qwen3_moe", "mixtral"):
+        kwargs |= _moe_config_kwargs(model, family)
+    return getattr(transformers, f"{CLASS_PREFIX[family]}Config")(**kwargs)
 
 
 def architecture(family: str, head: str) -> str:
     """``LlamaForCausalLM``, ``Qwen3ForSequenceClassification``, ..."""
-    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
-    return name + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")
+    return CLASS_PREFIX[family] + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")
 
 
 Producer = Callable[[], torch.Tensor]
@@ -307,7 +360,7 @@ def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int,
         raise HFExportError(f"{ckpt.path}: none of {list(names)} is in the checkpoint")
 
     for name, (shape, _) in ckpt.shapes.items():
-        if name.startswith("decoder.layers.") and shape[0] != layers:
+        if name.startswith("decoder.layers.") and not _PER_LAYER.match(name) and shape[0] != layers:
             raise HFExportError(f"{ckpt.path}: {name} holds {shape[0]} layers, expected {layers}")
 
     def qkv_part(suffix: str, i: int, part: int) -> torch.Tensor:
@@ -342,6 +395,9 @@ def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int,
             plan.append((pre + "self_attn.o_proj.bias", (hidden,),
                          lambda i=i: layer("decoder.layers.self_attention.linear_proj.bias", i)))
         plan.append((pre + "post_attention_layernorm.weight", (hidden,), lambda i=i: layer(mlp_norm, i)))
+        if model.moe.layer_is_moe(i):
+            plan += _expert_tensors(layer, model, i)
+            continue
         for suffix in fc1_suffixes:
             rest = (hidden,) if suffix == "weight" else ()
             for part, proj in enumerate(("gate", "up")):
@@ -360,6 +416,25 @@ def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int,
     elif not model.share_embeddings_and_output_weights:
         plan.append(("lm_head.weight", (vocab_size, hidden),
                      lambda: ckpt.read("output_layer.weight")["output_layer.weight"][:vocab_size]))
+    return plan
+
+
+def _expert_tensors(layer: Callable[[str, int], torch.Tensor], model: ModelConfig,
+                    i: int) -> list[tuple[str, tuple[int, ...], Producer]]:
+    """MoE layer ``i``'s router and experts, per expert as the family's checkpoints name them (:class:`MoENames`):
+    every expert's gate and up (one read of the layer's stacked fc1), then every expert's down (one of fc2)."""
+    from align_pipeline.model.hf import MoENames
+
+    hidden, experts = model.hidden_size, model.moe.num_experts
+    ffn = model.moe.ffn_hidden_size or model.ffn_hidden_size or 4 * hidden
+    names, pre = MoENames(family_of(model)), f"model.layers.{i}."
+    fc1, fc2 = "decoder.layers.mlp.experts.experts.linear_fc1.weight", "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+    plan = [(names.router(pre), (experts, hidden), lambda: layer("decoder.layers.mlp.router.weight", i))]
+    plan += [(names.expert(pre, e, part), (ffn, hidden),
+              lambda e=e, part=part: layer(fc1, i)[e].chunk(2, dim=0)[part].contiguous())
+             for e in range(experts) for part in (0, 1)]
+    plan += [(names.expert(pre, e, 2), (hidden, ffn), lambda e=e: layer(fc2, i)[e])
+             for e in range(experts)]
     return plan
 
 

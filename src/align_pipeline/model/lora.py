@@ -137,7 +137,8 @@ class LoRARowParallelLinear(_Adapter, RowParallelLinear):
 
 
 def lora_layer_spec(layer, rank: int, alpha: float, dropout: float, targets: tuple[str, ...] = TARGETS):
-    """The transformer-layer spec (Megatron's local spec) with the ``targets`` linears adapted."""
+    """The transformer-layer spec (Megatron's local spec) with the ``targets`` linears adapted. In an MoE layer the
+    MLP targets adapt its shared experts (when the model has them), never the routed experts."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     unknown = set(targets) - set(TARGETS)
@@ -159,9 +160,19 @@ def lora_layer_spec(layer, rank: int, alpha: float, dropout: float, targets: tup
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(
         attn.submodules, linear_qkv=adapted(attn.submodules.linear_qkv, "linear_qkv"),
         linear_proj=adapted(attn.submodules.linear_proj, "linear_proj")))
-    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
-        mlp.submodules, linear_fc1=adapted(mlp.submodules.linear_fc1, "linear_fc1"),
-        linear_fc2=adapted(mlp.submodules.linear_fc2, "linear_fc2")))
+
+    def adapted_mlp(mlp):
+        return dataclasses.replace(mlp, submodules=dataclasses.replace(
+            mlp.submodules, linear_fc1=adapted(mlp.submodules.linear_fc1, "linear_fc1"),
+            linear_fc2=adapted(mlp.submodules.linear_fc2, "linear_fc2")))
+
+    if hasattr(mlp.submodules, "experts"):  # an MoE layer: the routed experts keep their weights (no adapters)
+        shared = mlp.submodules.shared_experts
+        if shared is not None and getattr(shared, "submodules", None) is not None:
+            mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules,
+                                                                          shared_experts=adapted_mlp(shared)))
+    else:
+        mlp = adapted_mlp(mlp)
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attn, mlp=mlp))
 
 

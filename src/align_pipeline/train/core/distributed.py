@@ -37,6 +37,8 @@ class Dist:
     pp_size: int
     dp_rank: int
     dp_size: int
+    ep_rank: int = 0
+    ep_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -53,7 +55,8 @@ class Dist:
 
     def describe(self) -> str:
         """``world=4 tp=2 pp=1 dp=2 backend=gloo`` for a job's first log line."""
-        return (f"world={self.world_size} tp={self.tp_size} pp={self.pp_size} dp={self.dp_size} "
+        ep = f" ep={self.ep_size}" if self.ep_size > 1 else ""
+        return (f"world={self.world_size} tp={self.tp_size} pp={self.pp_size} dp={self.dp_size}{ep} "
                 f"backend={self.backend}")
 
 
@@ -87,7 +90,9 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> Dist:
     check_world(parallel, world, Names(parallel="parallel", world=f"the job's world size {world}"))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=True
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=True,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         )
     seed_everything(seed)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
@@ -104,6 +109,8 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> Dist:
         pp_size=pgs.pp.size(),
         dp_rank=pgs.dp.rank(),
         dp_size=pgs.dp.size(),
+        ep_rank=pgs.ep.rank(),
+        ep_size=pgs.ep.size(),
     )
 
 

@@ -39,6 +39,8 @@ class Trainable:
     """Outputs of a value head."""
     lora: LoRAConfig | None = None
     """Its adapters (None or rank 0: full fine-tuning)."""
+    router_stats: Any = None
+    """An MoE model's :class:`~align_pipeline.model.moe.RouterStats` (None: dense)."""
 
 
 def build_trainable(source: ModelSource, parallel: ParallelConfig, opt: OptimizerConfig, total_steps: int,
@@ -93,7 +95,12 @@ def build_trainable(source: ModelSource, parallel: ParallelConfig, opt: Optimize
         wd_incr_steps=total_steps,
         wd_incr_style="constant",
     )
-    return Trainable(source, model, optimizer, scheduler, head, num_outputs, lora)
+    stats = None
+    if gpt.config.num_moe_experts:
+        from align_pipeline.model.moe import RouterStats
+
+        stats = RouterStats(gpt)
+    return Trainable(source, model, optimizer, scheduler, head, num_outputs, lora, stats)
 
 
 def build_frozen(source: ModelSource, parallel: ParallelConfig, dist: Dist, head: str = "lm"):
@@ -114,14 +121,17 @@ def train_step(t: Trainable, microbatches: list[dict[str, torch.Tensor]], forwar
     with memory.phase("train"), profiling.maybe_profile(dist.rank):
         t.model.zero_grad_buffer()
         t.optimizer.zero_grad()
+        if t.router_stats is not None:
+            t.router_stats.reset()
         metrics = run_microbatches(t.model, microbatches, forward_loss, metric_names, dist, seq_length,
                                    forward_only=False)
         ok, grad_norm, _ = t.optimizer.step()
     if ok:
         t.scheduler.step(increment=1)
     metrics.pop("count")
+    moe = t.router_stats.metrics() if t.router_stats is not None else {}
     return {**metrics, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "lr": float(t.optimizer.param_groups[0]["lr"]), "update_skipped": float(not ok)}
+            "lr": float(t.optimizer.param_groups[0]["lr"]), "update_skipped": float(not ok), **moe}
 
 
 def peak_memory_gib() -> float | None:

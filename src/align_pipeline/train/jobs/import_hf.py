@@ -38,7 +38,8 @@ def main() -> None:
         "vocab_size": source.vocab_size,
         "tokenizer": {"path": str(hf_dir)} if has_tokenizer else None,
         "lineage": {"parent": {"kind": "nemo", "path": cfg["source"]} if cfg.get("source") else source.parent},
-        "import": {"tensor_model_parallel_size": dist.tp_size, "pipeline_model_parallel_size": dist.pp_size},
+        "import": {"tensor_model_parallel_size": dist.tp_size, "pipeline_model_parallel_size": dist.pp_size,
+                   "expert_model_parallel_size": dist.ep_size},
     }
     checkpoint.save_model(cfg["out"], model, meta)
     if dist.rank == 0:

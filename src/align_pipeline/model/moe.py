@@ -1,0 +1,132 @@
+"""Mixture-of-experts pieces around Megatron-core's MoE layer: a random init that does not depend on the expert
+layout, and the router's load statistics.
+
+Random init: Megatron builds each rank's local experts from the one RNG stream every rank shares, so at EP=2 both
+ranks would draw the same experts, and the layers after the first MoE layer would draw other values than at EP=1
+(fewer experts consumed the stream). On CPU initialisation (where our dense init is already TP-invariant) the
+experts are built without touching the shared stream (:class:`SeededSequentialMLP`), then every expert is drawn from
+its own generator, seeded by (seed, layer, global expert index) and sliced for expert TP (:func:`init_experts`): the
+same model at every EP x expert-TP layout.
+
+Router statistics: :class:`RouterStats` counts, per MoE layer, the tokens each expert receives (top-k choices) and
+the load-balancing loss of the micro-batches it saw; :meth:`RouterStats.metrics` gives ``moe/expert_load/max``
+(the busiest expert's share over the fair share, 1.0 = balanced), ``moe/expert_load/min``, ``moe/aux_loss`` (Switch
+loss, unscaled, mean over layers) and per-layer token fractions ``moe/layer_<i>/expert_<e>``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+
+class SeededSequentialMLP(SequentialMLP):
+    """Megatron's :class:`SequentialMLP`, built without drawing from the shared RNG stream (see the module doc)."""
+
+    def __init__(self, *args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            super().__init__(*args, **kwargs)
+
+
+def _expert_generator(seed: int, layer: int, expert: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + layer * 4_099 + expert) % (2**63 - 1))
+
+
+def init_experts(gpt, seed: int) -> int:
+    """Draw every local expert of ``gpt`` (built with CPU initialisation) from its own generator; returns how many.
+
+    Expert e of layer l: fc1 = [gate; up], each [F, H] ~ N(0, std); fc2 [H, F] ~ N(0, std / sqrt(2 L)) (Megatron's
+    scaled output init); this rank keeps rows (fc1: of gate and of up) or columns (fc2) of its expert-TP slice."""
+    config = gpt.config
+    std, out_std = config.init_method_std, config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    pgs = gpt.pg_collection
+    ep_rank, etp_rank, etp_size = pgs.ep.rank(), pgs.expt_tp.rank(), pgs.expt_tp.size()
+    hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+    count = 0
+    with torch.no_grad():
+        for layer in gpt.decoder.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is None:
+                continue
+            local = len(experts.local_experts)
+            for j, expert in enumerate(experts.local_experts):
+                g = _expert_generator(seed, layer.layer_number, ep_rank * local + j)
+                gate, up = (torch.randn(ffn, hidden, generator=g) * std for _ in range(2))
+                down = torch.randn(hidden, ffn, generator=g) * out_std
+                fc1 = torch.cat([gate.chunk(etp_size)[etp_rank], up.chunk(etp_size)[etp_rank]])
+                expert.linear_fc1.weight.copy_(fc1)
+                expert.linear_fc2.weight.copy_(down.chunk(etp_size, dim=1)[etp_rank])
+                count += 1
+    return count
+
+
+def moe_layers(gpt) -> list:
+    """The MoE layers of a built GPT stage (wrappers allowed), in order."""
+    while hasattr(gpt, "module"):  # Megatron's DDP / Float16Module wrappers
+        gpt = gpt.module
+    return [layer for layer in gpt.decoder.layers if hasattr(layer.mlp, "router")]
+
+
+class RouterStats:
+    """Per MoE layer, over the training forwards since :meth:`reset`: tokens routed to each expert and the sum of
+    each expert's router probability (softmax over all experts), for the load metrics (module doc).
+
+    A forward hook on each router reads its routing map and recomputes the router's fp32 logits from its input (one
+    [tokens, hidden] x [hidden, experts] product, no gradient). Forward passes without gradient (validation,
+    log-prob passes) are not counted. Ratios are taken after summing over all ranks, so tokens that several TP ranks
+    see alike (no sequence parallelism) do not change them."""
+
+    def __init__(self, gpt):
+        layers = moe_layers(gpt)
+        config = layers[0].mlp.router.config
+        self.num_experts, self.topk = config.num_moe_experts, config.moe_router_topk
+        self.num_layers = config.num_layers
+        self.device = layers[0].mlp.router.weight.device
+        self.handles = [layer.mlp.router.register_forward_hook(self._hook(layer.layer_number - 1))
+                        for layer in layers]
+        self.reset()
+
+    def reset(self) -> None:
+        # [layer, (E routed counts, E probability sums, tokens)]
+        self.sums = torch.zeros(self.num_layers, 2 * self.num_experts + 1, dtype=torch.float64, device=self.device)
+
+    def _hook(self, index: int):
+        def hook(router, args, output):
+            if not torch.is_grad_enabled():
+                return
+            with torch.no_grad():
+                hidden = args[0].reshape(-1, args[0].shape[-1])
+                probs = torch.softmax(hidden.float() @ router.weight.float().t(), dim=-1)
+                routing_map = output[1].reshape(-1, self.num_experts)
+                row = self.sums[index]
+                row[: self.num_experts] += routing_map.sum(0).double()
+                row[self.num_experts: 2 * self.num_experts] += probs.sum(0).double()
+                row[-1] += hidden.shape[0]
+        return hook
+
+    def metrics(self) -> dict[str, float]:
+        """All-reduced over the world (a collective: every rank calls it); {} when no training forward ran."""
+        import torch.distributed as tdist
+
+        sums = self.sums.clone()
+        if tdist.is_initialized():
+            tdist.all_reduce(sums)
+        seen = sums[:, -1] > 0
+        if not bool(seen.any()):
+            return {}
+        e = self.num_experts
+        counts, prob_sums, tokens = sums[seen, :e], sums[seen, e: 2 * e], sums[seen, -1:]
+        fraction = counts / counts.sum(1, keepdim=True)  # of the top-k choices
+        mean_prob = prob_sums / tokens
+        aux = e * (fraction * mean_prob).sum(1)  # Switch loss per layer: 1.0 when balanced
+        load = e * fraction  # 1.0 = the fair share
+        out = {"moe/aux_loss": aux.mean().item(), "moe/load_max": load.max().item(), "moe/load_min": load.min().item()}
+        if e <= 64:
+            out |= {f"moe/expert_{i}/load": v for i, v in enumerate(load.mean(0).tolist())}
+        return out
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()

@@ -1,0 +1,193 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) on CPU with real Megatron-core MoE layers on gloo: logits equal
+transformers' at every expert layout, import -> export returns the source tensors, the config mapping and its
+refusals, SFT at EP=2 equals EP=1 and resumes bit-exact, the router's load metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hf_models import tiny_moe_models
+from jobs import losses, make_sft_data, run_sft, sft_job
+
+from align_pipeline.config import LaunchConfig, ModelConfig, ParallelConfig
+from align_pipeline.config.base import ConfigError
+from align_pipeline.config.checks import Arch, check_model_parallel, check_world
+from align_pipeline.config.common import MoEConfig
+from align_pipeline.launch import run_torchrun
+from align_pipeline.model.hf import HFConversionError, model_config_from_hf
+
+TESTS = Path(__file__).resolve().parents[1]
+SEQ = 12
+TOKENS = np.random.default_rng(0).integers(0, 100, size=(2, SEQ)).tolist()
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_hf")
+    dirs, logits = {}, {}
+    for name, model in tiny_moe_models().items():
+        model.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+        with torch.no_grad():
+            logits[name] = model(torch.tensor(TOKENS)).logits.float().numpy()
+    return dirs, logits
+
+
+def _run(tmp: Path, nproc: int, layouts: dict, models: dict) -> dict:
+    tmp.mkdir(parents=True)
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS / "model"), os.environ.get("PYTHONPATH", "")])}
+    config = {"layouts": layouts, "seq_length": 32, "tokens": TOKENS, "models": models, "bad_dirs": {}}
+    return run_torchrun("hf_worker", config, LaunchConfig(nproc_per_node=nproc), tmp, env=env)
+
+
+def _assert_logits(result: dict, expected: dict, layout: str) -> None:
+    for name, want in expected.items():
+        ours = np.asarray(result[layout]["logits"][name])
+        assert ours.shape == want.shape, (layout, name)
+        np.testing.assert_allclose(ours, want, atol=TOL, rtol=0, err_msg=f"{layout}: {name}")
+
+
+def test_logits_equal_transformers_at_ep1(moe_dirs, tmp_path):
+    dirs, expected = moe_dirs
+    _assert_logits(_run(tmp_path / "run", 1, {"ep1": {}}, dirs), expected, "ep1")
+
+
+def test_logits_equal_transformers_at_ep2_and_tp2_x_ep2(moe_dirs, tmp_path):
+    """Four gloo ranks: EP=2 (DP 4), TP=2 x EP=2 with sequence parallelism (experts split over expert TP = 2, or
+    whole with expert TP = 1). (PP=2 x EP=2: the import -> export test.)"""
+    dirs, expected = moe_dirs
+    layouts = {
+        "ep2": {"expert_model_parallel_size": 2},
+        "tp2_ep2": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "sequence_parallel": True},
+        "tp2_ep2_etp1": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                         "expert_tensor_parallel_size": 1, "sequence_parallel": True},
+    }
+    result = _run(tmp_path / "run", 4, layouts, dirs)
+    for layout in ("ep2", "tp2_ep2", "tp2_ep2_etp1"):
+        _assert_logits(result, expected, layout)
+
+
+@pytest.mark.parametrize("name,layout", [("qwen3_moe", (2, 1, 2)), ("qwen3_moe_unnormalised", (1, 2, 2)),
+                                         ("mixtral", (1, 1, 2))])
+def test_import_then_export_gives_the_source_tensors_and_config(moe_dirs, tmp_path, name, layout):
+    from safetensors.torch import load_file
+
+    from align_pipeline.launch.model_jobs import import_hf
+    from align_pipeline.model.hf_export import export_hf
+
+    dirs, _ = moe_dirs
+    source = Path(dirs[name])
+    tp, pp, ep = layout
+    result = import_hf(source, tmp_path / "ckpt", tp=tp, pp=pp, ep=ep, seq_length=32)
+    assert result["model"]["hf_family"] == ("mixtral" if name == "mixtral" else "qwen3_moe")
+    summary = export_hf(tmp_path / "ckpt", tmp_path / "out")
+    assert summary["architecture"] == ("MixtralForCausalLM" if name == "mixtral" else "Qwen3MoeForCausalLM")
+    theirs, ours = load_file(str(source / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+    src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (source, tmp_path / "out"))
+    for key in ("model_type", "architectures", "num_experts", "num_local_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "intermediate_size", "mlp_only_layers", "norm_topk_prob",
+                "decoder_sparse_step", "rope_parameters", "num_key_value_heads", "rms_norm_eps"):
+        assert out_cfg.get(key) == src_cfg.get(key), key
+
+
+def test_config_mapping(moe_dirs):
+    dirs, _ = moe_dirs
+    qwen, _ = model_config_from_hf(dirs["qwen3_moe"], ModelConfig(seq_length=32))
+    assert qwen.moe == MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=48, layers=[1, 1, 1, 0],
+                                 router_pre_softmax=False, aux_loss_coeff=0.0)
+    assert qwen.ffn_hidden_size == 128 and qwen.qk_layernorm and qwen.hf_family == "qwen3_moe"
+    unnormalised, _ = model_config_from_hf(dirs["qwen3_moe_unnormalised"], ModelConfig(seq_length=32))
+    assert unnormalised.moe.router_pre_softmax
+    mixtral, _ = model_config_from_hf(dirs["mixtral"], ModelConfig(seq_length=32))
+    assert mixtral.moe == MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=48)
+    assert not mixtral.qk_layernorm and mixtral.hf_family == "mixtral"
+
+
+def _edited(src: str, dst: Path, **changes) -> str:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+@pytest.mark.parametrize("name,changes,message", [
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
+    ("qwen3_moe", {"attention_bias": True}, "attention_bias=true is not supported for qwen3_moe"),
+    ("qwen3_moe", {"mlp_only_layers": [0, 1, 2, 3]}, "leave no MoE layer"),
+    ("qwen3_moe", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 is not in [1, 4]"),
+    ("qwen3_moe", {"output_router_logits": True, "router_aux_loss_coef": 0.02}, None),
+])
+def test_config_refusals_and_the_aux_loss(moe_dirs, tmp_path, name, changes, message):
+    path = _edited(moe_dirs[0][name], tmp_path / "edited", **changes)
+    if message is None:  # HF trains with the load-balancing loss only when output_router_logits is on
+        model, _ = model_config_from_hf(path, ModelConfig(seq_length=32))
+        assert model.moe.aux_loss_coeff == 0.02
+        return
+    with pytest.raises(HFConversionError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        model_config_from_hf(path, ModelConfig(seq_length=32))
+
+
+MOE = {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32, "aux_loss_coeff": 0.01}
+
+
+def test_layout_checks_before_launch():
+    arch = Arch(ModelConfig(num_layers=2, seq_length=48, moe=MoEConfig(**MOE)))
+    check_model_parallel(arch, ParallelConfig(expert_model_parallel_size=4))
+    with pytest.raises(ConfigError, match="expert_model_parallel_size=3 does not divide params:model.moe.num_experts=4"):
+        check_model_parallel(arch, ParallelConfig(expert_model_parallel_size=3))
+    with pytest.raises(ConfigError, match="need a mixture-of-experts model"):
+        check_model_parallel(Arch(ModelConfig(seq_length=48)), ParallelConfig(expert_model_parallel_size=2))
+    with pytest.raises(ConfigError, match="set params:parallel.sequence_parallel: true"):
+        check_model_parallel(arch, ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2))
+    with pytest.raises(ConfigError, match="expert TP 4 .* does not divide the experts' ffn_hidden_size=30"):
+        check_model_parallel(Arch(ModelConfig(num_layers=2, seq_length=48, moe=MoEConfig(
+            **{**MOE, "ffn_hidden_size": 30}))), ParallelConfig(expert_tensor_parallel_size=4))
+    with pytest.raises(ConfigError, match="world size 6 is not divisible by params:parallel.expert_model_parallel_size=4"):
+        check_world(ParallelConfig(expert_model_parallel_size=4), 6)
+    with pytest.raises(ConfigError, match=r"moe.layers has 3 entries for model.num_layers=2"):
+        ModelConfig(num_layers=2, moe=MoEConfig(**MOE, layers=[1, 0, 1])).validate()
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    return make_sft_data(tmp_path_factory.mktemp("moe_sft"), n_train=64)
+
+
+def test_sft_at_ep2_equals_ep1_and_resumes_bit_exact(sft_data, tmp_path):
+    """A random-init MoE model (every layer MoE, 4 experts, top 2, aux loss on): the same model at EP=1 and EP=2
+    (the experts are drawn per (layer, expert), not from the shared stream), the same losses; 3 steps, stop, resume,
+    3 steps at EP=2 give the uninterrupted run's losses and weights. The router's load metrics are logged."""
+    model = {"moe": MoEConfig(**MOE)}
+    ep1 = run_sft(sft_job(sft_data, tmp_path / "ep1", model=model))
+    ep2 = run_sft(sft_job(sft_data, tmp_path / "ep2", model=model,
+                          parallel={"expert_model_parallel_size": 2}), nproc=2)
+    np.testing.assert_allclose(losses(ep2), losses(ep1), atol=2e-5, rtol=0)
+    assert abs(ep2["val_loss"] - ep1["val_loss"]) < 2e-5
+    assert "ep=2" in (tmp_path / "ep2" / "logs" / "rank0.log").read_text().splitlines()[0]
+
+    last = ep2["train_metrics"]
+    assert 0.9 < last["moe/aux_loss"] < 4.0  # 1.0 = balanced; at most E (= 4) when one expert takes everything
+    loads = [last[f"moe/expert_{e}/load"] for e in range(4)]
+    assert abs(sum(loads) - 4.0) < 1e-6 and last["moe/load_max"] >= max(loads) and last["moe/load_min"] <= min(loads)
+    assert last == pytest.approx(ep1["train_metrics"] | {k: last[k] for k in ("step_time_s", "tokens_per_s")},
+                                 abs=2e-5)
+
+    run_dir = tmp_path / "interrupted"
+    first = run_sft(sft_job(sft_data, run_dir, model=model,
+                            parallel={"expert_model_parallel_size": 2}, stop_after=3), nproc=2)
+    assert first["stopped_at_step"] == 3 and losses(first) == losses(ep2)[:3]
+    resumed = run_sft(sft_job(sft_data, run_dir, model=model,
+                              parallel={"expert_model_parallel_size": 2}), nproc=2)
+    assert [h["step"] for h in resumed["history"]] == [4, 5, 6]
+    assert losses(resumed) == losses(ep2)[3:] and resumed["val_loss"] == ep2["val_loss"]  # bit-exact
