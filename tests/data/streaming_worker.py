@@ -1,10 +1,12 @@
 """data_prep's nodes over a generated parquet file of SFT conversations, in a process of its own; prints one JSON
 line: rows, the text's size and the process's peak resident memory (``VmHWM``).
 
-    python tests/data/streaming_worker.py OUT_DIR ROWS CHARS_PER_ROW [ROW_GROUP_ROWS]
+    python tests/data/streaming_worker.py OUT_DIR ROWS CHARS_PER_ROW [ROW_GROUP_ROWS [CHUNK_BYTES]]
 
 Used by test_streaming.py (small sizes, to show memory does not grow with the data) and by hand at larger sizes
-(the figures in the notes)."""
+(the figures in the notes). ``CHUNK_BYTES`` sets ``store.CHUNK_BYTES`` and ``store.SPILL_BUFFER`` (fixed-size buffers,
+16 and 4 MiB by default) in the measured process: a file whose arrays are smaller than a buffer does not fill it, so
+comparing two sizes below and above it measures the buffer, not growth with the file."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def write_parquet(path: Path, rows: int, chars: int, row_group: int) -> int:
     return total
 
 
-def main(out: Path, rows: int, chars: int, row_group: int) -> None:
+def main(out: Path, rows: int, chars: int, row_group: int, chunk_bytes: int | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     source = out / "sft.parquet"
     text = write_parquet(source, rows, chars, row_group)
@@ -54,7 +56,7 @@ def main(out: Path, rows: int, chars: int, row_group: int) -> None:
 import json, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from streaming_worker import _peak_rss_mib, run_data_prep
-print(json.dumps(run_data_prep({str(out)!r})))
+print(json.dumps(run_data_prep({str(out)!r}, {chunk_bytes!r})))
 """
     result = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                        text=True).stdout.strip().splitlines()[-1])
@@ -62,11 +64,16 @@ print(json.dumps(run_data_prep({str(out)!r})))
                       **result}))
 
 
-def run_data_prep(out: str) -> dict:
+def run_data_prep(out: str, chunk_bytes: int | None = None) -> dict:
     """validate -> fit (char tokenizer) -> tokenize and split -> save, as ``kedro run --pipelines data_prep``'s nodes
-    run them; the preference and prompts files (the node needs all three) are two lines each."""
+    run them; the preference and prompts files (the node needs all three) are two lines each. ``chunk_bytes``: the
+    size of data_prep's spill and read-back buffers (its defaults when None)."""
+    from align_pipeline.data import store
     from align_pipeline.datasets import PromptsJsonlDataset, RawDataset, TokenizedNpzDataset
     from align_pipeline.pipelines.data_prep.nodes import fit_tokenizer, tokenize_and_split, validate_raw_data
+
+    if chunk_bytes is not None:
+        store.CHUNK_BYTES = store.SPILL_BUFFER = chunk_bytes
 
     base = _peak_rss_mib()
     prompts = Path(out) / "prompts.jsonl"
@@ -89,4 +96,5 @@ def run_data_prep(out: str) -> dict:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 1024)
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 1024,
+         int(sys.argv[5]) if len(sys.argv) > 5 else None)

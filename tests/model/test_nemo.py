@@ -1,7 +1,8 @@
 """NeMo-Aligner migration (model/nemo.py): ``.nemo`` archives in NeMo 1.x's layout, written by the tests from tiny
 transformers models (tests/nemo_models.py), convert to HF directories whose logits equal the source model's
 (torch_dist and zarr weights, GQA, QKV biases, tied and untied heads, padded vocabularies, HF and SentencePiece
-tokenizers inside the archive); what does not map, or is not safe, is refused naming the key or member."""
+tokenizers inside the archive, linear and Llama 3.1 RoPE scaling); what does not map, or is not safe, is refused
+naming the key or member."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import tarfile
 
 import pytest
 import torch
-from hf_models import VOCAB, _tiny
+from hf_models import LLAMA3_ROPE, VOCAB, _tiny
 from nemo_models import add_member, nemo_tensors, write_nemo
 
 from align_pipeline.model.nemo import NemoConversionError, convert, hf_dir_for, is_nemo
@@ -152,6 +153,52 @@ def test_what_does_not_map_is_refused_naming_the_key(tmp_path, overrides, words)
     assert f"m.nemo: model_config.yaml {words}" in str(exc.value) or ("m.nemo: model.decoder" in str(exc.value)
                                                                      and words in str(exc.value)), str(exc.value)
     assert not (tmp_path / "hf").exists()
+
+
+ROPE_CASES = {
+    # NeMo's model_config.yaml keys -> the HF rope_parameters the converter writes (and the source model uses)
+    "linear": ({"seq_len_interpolation_factor": 4},
+               {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "llama3": ({"scale_positional_embedding": True, "scale_factor": 4.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "old_context_len": 16}, LLAMA3_ROPE),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope_scaling_becomes_the_hf_rope_parameters_with_the_same_logits(tmp_path, case):
+    """``seq_len_interpolation_factor`` -> linear RoPE scaling, ``scale_positional_embedding`` (+ its factors) ->
+    Llama 3.1's: config.json's ``rope_parameters`` say so, and the converted model's logits equal a transformers model
+    built with that RoPE (which differ from the same weights with plain RoPE: the scaling is applied, not ignored)."""
+    overrides, rope = ROPE_CASES[case]
+    model = _tiny("llama", rope_parameters=dict(rope))
+    tok = word_tokenizer(tmp_path / "tok")
+    convert(write_nemo(tmp_path / "m.nemo", model, HF_TOK, {"tokenizer": tok}, overrides=overrides), tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {k: cfg["rope_parameters"].get(k) for k in rope} == rope, cfg["rope_parameters"]
+    _same_model(model, tmp_path / "hf", VOCAB)
+    plain, _ = _logits(_tiny("llama"), VOCAB)  # the same weights (same seed), unscaled RoPE
+    scaled, _ = _logits(model, VOCAB)
+    assert (plain - scaled).abs().max() > 1e-2
+
+
+def test_rope_scaling_defaults_and_conflicts(tmp_path):
+    """``scale_positional_embedding`` alone takes NeMo's Llama 3.1 factors (8, 1, 4, 8192); with
+    ``seq_len_interpolation_factor`` too it is refused naming the key."""
+    model = _tiny("llama")
+    tok = word_tokenizer(tmp_path / "tok")
+    convert(write_nemo(tmp_path / "d.nemo", model, HF_TOK, {"tokenizer": tok},
+                       overrides={"scale_positional_embedding": True}), tmp_path / "hf")
+    rope = json.loads((tmp_path / "hf" / "config.json").read_text())["rope_parameters"]
+    assert {k: rope.get(k) for k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
+                                     "original_max_position_embeddings")} == {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+    both = write_nemo(tmp_path / "both.nemo", model, HF_TOK, {"tokenizer": tok},
+                      overrides={"scale_positional_embedding": True, "seq_len_interpolation_factor": 2})
+    with pytest.raises(NemoConversionError, match=r"both\.nemo: model_config\.yaml scale_positional_embedding: "
+                                                  "together with seq_len_interpolation_factor"):
+        convert(both, tmp_path / "hf_both")
+    assert not (tmp_path / "hf_both").exists()
 
 
 def test_archives_without_weights_or_with_unsafe_members_are_refused(tmp_path):

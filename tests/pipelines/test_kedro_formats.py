@@ -6,6 +6,8 @@ reinforce (a real KedroSession on a temp project with a real sqlite MLflow store
   TRL's implicit-prompt form read by kedro-datasets' own ``pandas.ParquetDataset``;
 * prompts: veRL's parquet layout (``reward_model.ground_truth``, ``data_source``, ``extra_info``), scored by a reward
   function that reads ``extra_info``;
+* the same files through kedro-datasets' table datasets: polars' ``EagerPolarsDataset`` (SFT) and
+  ``LazyPolarsDataset`` (prompts), ``pandas.ParquetDataset`` (TRL's implicit-prompt pairs): the same samples;
 * then jsonl files (``RawDataset``): TRL's explicit-prompt pairs as plain strings (tokenized verbatim) into dpo, and
   prompts as chat messages with extra fields into reinforce.
 """
@@ -150,9 +152,14 @@ def test_trl_openai_verl_data_through_the_catalog_into_sft_dpo_reinforce(project
         assert checkpoint_meta(version / f"{stage}_policy")["stage"] == stage
     assert outputs["reinforce_metrics"].load()["iterations"] == 1
 
-    # the same preference pairs in TRL's implicit-prompt form, read by kedro-datasets' pandas.ParquetDataset
+    # the same preference pairs in TRL's implicit-prompt form, read by kedro-datasets' pandas.ParquetDataset; the same
+    # SFT and veRL parquet files read by its polars datasets (a DataFrame, and a LazyFrame read in batches)
     catalog = yaml.safe_load((project / "conf" / "test" / "catalog_formats.yml").read_text())
     catalog["raw_preference"] = {"type": "pandas.ParquetDataset", "filepath": "data/01_raw/preference_implicit.parquet"}
+    catalog["raw_sft"] = {"type": "polars.EagerPolarsDataset", "filepath": "data/01_raw/sft.parquet",
+                          "file_format": "parquet"}
+    catalog["raw_prompts"] = {"type": "polars.LazyPolarsDataset", "filepath": "data/01_raw/prompts.parquet",
+                              "file_format": "parquet"}
     (project / "conf" / "test" / "catalog_formats.yml").write_text(yaml.safe_dump(catalog))
     before = (data / "pref_train.npz").read_bytes()
     run_kedro(project, "data_prep")
@@ -160,6 +167,13 @@ def test_trl_openai_verl_data_through_the_catalog_into_sft_dpo_reinforce(project
     for key in ("chosen_input_ids", "chosen_loss_mask", "rejected_input_ids", "rejected_loss_mask"):
         assert (again[key] == pref[key]).all(), key  # same pairs, same tokens and masks (no scores this time)
     assert before != (data / "pref_train.npz").read_bytes()
+    again = load_rows(data / "sft_train.npz")
+    assert all((again[key] == sft[key]).all() for key in sft), "polars' SFT rows tokenized differently"
+    assert load_jsonl(data / "prompts_train.jsonl") == prompts  # extra_info, data_source, ground truth: all kept
+    sources = {name: json.loads((data / f"{name}.meta.json").read_text())["source"]
+               for name in ("sft_train.npz", "prompts_train.jsonl")}
+    assert sources == {"sft_train.npz": "raw_sft (polars.DataFrame)",
+                       "prompts_train.jsonl": "raw_prompts (polars.LazyFrame)"}
 
     # jsonl files: TRL string pairs (verbatim, no template) and prompts as messages, on into dpo and reinforce
     catalog["raw_preference"] = {"type": "align_pipeline.datasets.RawDataset",

@@ -1,10 +1,16 @@
 """A NeMo-Aligner user's first run: ``init_from`` and ``data_prep.tokenizer.hf_model_dir`` name a ``.nemo`` (its
 tokenizer a SentencePiece model inside the archive); data_prep and SFT run through a real KedroSession, the policy
-starts from the archive's weights and its lineage names the archive."""
+starts from the archive's weights and its lineage names the archive. A ``.nemo`` the conversion refuses (no weights)
+is one line naming the file and the problem, through a KedroSession and the ``kedro`` CLI."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -64,3 +70,41 @@ def test_sft_from_a_nemo_with_its_sentencepiece_tokenizer(project):
     assert parent["kind"] == "nemo" and parent["path"] == str(nemo) and meta["step"] == 2
     assert meta["model"]["num_layers"] == 2 and meta["model"]["num_query_groups"] == 2
     assert outputs["sft_metrics"].load()["first_train_loss"] > 0
+
+
+def test_a_nemo_without_weights_is_refused_in_one_line(tmp_path, monkeypatch):
+    """``params:sft.init_from`` names a ``.nemo`` tar without ``model_weights/``: the conversion job's own message
+    (file, what is wrong) and its log, one line, as the session's ConfigError and as the CLI's one ``Error`` line
+    (exit code 2), with no traceback (the job's nor Python's) and nothing trained."""
+    import shutil
+
+    from align_pipeline.config import ConfigError
+
+    hub_tokenizer = {"library": "huggingface", "type": "meta-llama/Llama-3.2-1B"}  # no files: noted, not refused
+    stage = write_nemo(tmp_path / "stage", _tiny("llama"), hub_tokenizer, {}, directory=True)
+    shutil.rmtree(stage / "model_weights")
+    nemo = tmp_path / "noweights.nemo"
+    with tarfile.open(nemo, "w:") as tar:
+        tar.add(stage, arcname=".")
+    root = copy_project(tmp_path / "proj", params={"test/nemo": {"sft": {"init_from": str(nemo)}}})
+    monkeypatch.setenv("ALIGN_PIPELINE_CACHE", str(tmp_path / "cache"))
+    enter_project(monkeypatch, root, "test-nemo-refused")
+    want = f"params:sft.init_from={nemo}: no model_weights/ (a .nemo without weights) (conversion log: "
+
+    with pytest.raises(ConfigError) as excinfo:
+        run_kedro(root, "sft")
+    message = str(excinfo.value)
+    assert message.startswith(want) and message.endswith("/job/logs/rank0.log)") and "\n" not in message, message
+    log = Path(message[len(want):-1])
+    assert log.read_text().strip() == f"NemoConversionError: {nemo}: no model_weights/ (a .nemo without weights)"
+    assert not (root / "data" / "06_models").exists()
+
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("ALIGN_TRACEBACK", None)
+    done = subprocess.run([sys.executable, "-c", "from kedro.framework.cli import main; main()", "run", "--env",
+                           "test", "--pipelines", "sft"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    out = done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error")]
+    assert done.returncode == 2 and len(errors) == 1 and want in errors[0], out
+    assert "Traceback" not in out and "╭" not in out, out

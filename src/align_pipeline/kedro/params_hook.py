@@ -182,8 +182,8 @@ def nemo_resolved(path: str, key: str) -> Path:
         return Path(path)
     try:
         return nemo_hf_dir(path)
-    except (LaunchError, UserError) as e:
-        raise ConfigError(f"{key}={path}: {e}") from None
+    except (LaunchError, UserError) as e:  # a refused archive's message names it: not twice
+        raise ConfigError(f"{key}={path}: {str(e).removeprefix(f'{Path(path).resolve()}: ')}") from None
 
 
 def hf_tokenizer_size(directory: str, key: str) -> tuple[int, str]:

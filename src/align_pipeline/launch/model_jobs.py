@@ -99,15 +99,27 @@ def import_hf(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike, tp: int 
 def nemo_hf_dir(path: str | os.PathLike) -> Path:
     """The HF conversion of a NeMo ``.nemo`` (:mod:`align_pipeline.model.nemo`): the cached one, or made by a
     one-process job (this process imports no torch). What the Kedro side resolves ``init_from`` and
-    ``data_prep.tokenizer.hf_model_dir`` to; the jobs then find it in the cache."""
-    from align_pipeline.model.nemo import cache_target
+    ``data_prep.tokenizer.hf_model_dir`` to; the jobs then find it in the cache. An archive the conversion refuses:
+    a one-line :class:`~align_pipeline.model.nemo.NemoConversionError`, the job's own message (file and what is
+    wrong) and its log; any other failure of the job: its :class:`~align_pipeline.launch.torchrun.LaunchError`."""
+    import json
+
+    from align_pipeline.launch.torchrun import LaunchError
+    from align_pipeline.model.nemo import NemoConversionError, cache_target
 
     target = cache_target(path)
     if (target / "config.json").is_file():
         return target
     with job_work_dir("align-nemo-") as work:
-        result = run_torchrun("align_pipeline.train.jobs.nemo_convert", {"nemo": str(Path(path).resolve())}, ONE,
-                              work / "job", name=f"convert {Path(path).name}")
+        try:
+            result = run_torchrun("align_pipeline.train.jobs.nemo_convert", {"nemo": str(Path(path).resolve())},
+                                  ONE, work / "job", name=f"convert {Path(path).name}")
+        except LaunchError as exc:
+            refused = work / "job" / "refused.json"  # written by the job for a UserError, before it exits 1
+            if not refused.is_file():
+                raise
+            message = json.loads(refused.read_text())["error"]
+            raise NemoConversionError(f"{message} (conversion log: {exc.log_path})") from None
     return Path(result["hf_dir"])
 
 
