@@ -148,8 +148,9 @@ def test_layout_checks_before_launch():
         check_model_parallel(arch, ParallelConfig(expert_model_parallel_size=3))
     with pytest.raises(ConfigError, match="need a mixture-of-experts model"):
         check_model_parallel(Arch(ModelConfig(seq_length=48)), ParallelConfig(expert_model_parallel_size=2))
-    with pytest.raises(ConfigError, match="set params:parallel.sequence_parallel: true"):
-        check_model_parallel(arch, ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2))
+    for ep in (1, 2):  # Megatron's MoE layer trains under TP only with sequence parallelism
+        with pytest.raises(ConfigError, match="trains with sequence parallelism.*set params:parallel.sequence_parallel"):
+            check_model_parallel(arch, ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=ep))
     with pytest.raises(ConfigError, match="expert TP 4 .* does not divide the experts' ffn_hidden_size=30"):
         check_model_parallel(Arch(ModelConfig(num_layers=2, seq_length=48, moe=MoEConfig(
             **{**MOE, "ffn_hidden_size": 30}))), ParallelConfig(expert_tensor_parallel_size=4))
@@ -165,15 +166,19 @@ def sft_data(tmp_path_factory):
 
 
 def test_sft_at_ep2_equals_ep1_and_resumes_bit_exact(sft_data, tmp_path):
-    """A random-init MoE model (every layer MoE, 4 experts, top 2, aux loss on): the same model at EP=1 and EP=2
-    (the experts are drawn per (layer, expert), not from the shared stream), the same losses; 3 steps, stop, resume,
+    """A random-init MoE model (every layer MoE, 4 experts, top 2, aux loss on): the same model at EP=1, EP=2 and
+    TP=2 x EP=2 (the experts are drawn per (layer, expert), not from the shared stream), the same losses; 3 steps, stop, resume,
     3 steps at EP=2 give the uninterrupted run's losses and weights. The router's load metrics are logged."""
     model = {"moe": MoEConfig(**MOE)}
     ep1 = run_sft(sft_job(sft_data, tmp_path / "ep1", model=model))
     ep2 = run_sft(sft_job(sft_data, tmp_path / "ep2", model=model,
                           parallel={"expert_model_parallel_size": 2}), nproc=2)
-    np.testing.assert_allclose(losses(ep2), losses(ep1), atol=2e-5, rtol=0)
-    assert abs(ep2["val_loss"] - ep1["val_loss"]) < 2e-5
+    # TP=2 x EP=2 (sequence parallel): the load-balancing loss weighs the same (PerTokenAuxLossRouter)
+    tp2_ep2 = run_sft(sft_job(sft_data, tmp_path / "tp2_ep2", model=model, parallel={
+        "tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "sequence_parallel": True}), nproc=4)
+    for other in (ep2, tp2_ep2):
+        np.testing.assert_allclose(losses(other), losses(ep1), atol=2e-5, rtol=0)
+        assert abs(other["val_loss"] - ep1["val_loss"]) < 2e-5
     assert "ep=2" in (tmp_path / "ep2" / "logs" / "rank0.log").read_text().splitlines()[0]
 
     last = ep2["train_metrics"]
@@ -191,3 +196,26 @@ def test_sft_at_ep2_equals_ep1_and_resumes_bit_exact(sft_data, tmp_path):
                               parallel={"expert_model_parallel_size": 2}), nproc=2)
     assert [h["step"] for h in resumed["history"]] == [4, 5, 6]
     assert losses(resumed) == losses(ep2)[3:] and resumed["val_loss"] == ep2["val_loss"]  # bit-exact
+
+
+def test_generation_at_ep2_with_different_work_per_rank_equals_ep1(moe_dirs, tmp_path):
+    """Greedy generation with the KV cache: rank 0 has 2 short prompts and 3 new tokens, rank 1 has 5 prompts of
+    other lengths, 9 new tokens and 2 slots (refills): at EP=2 the ranks run different numbers of forwards (the
+    idle one matches the other's with dummy forwards) and generate exactly what one process generates."""
+    dirs, _ = moe_dirs
+    rng = np.random.default_rng(3)
+    work = [{"prompts": [rng.integers(1, 100, 4).tolist(), rng.integers(1, 100, 6).tolist()], "max_new_tokens": 3,
+             "max_rows": 2},
+            {"prompts": [rng.integers(1, 100, n).tolist() for n in (3, 7, 5, 2, 8)], "max_new_tokens": 9,
+             "max_rows": 2}]
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS / "model"), os.environ.get("PYTHONPATH", "")])}
+    for name in ("qwen3_moe", "mixtral"):
+        runs = {}
+        for layout, nproc, parallel in (("ep1", 1, {}), ("ep2", 2, {"expert_model_parallel_size": 2})):
+            run_dir = tmp_path / f"{name}_{layout}"
+            run_dir.mkdir()
+            runs[layout] = run_torchrun("moe_generate_worker", {"hf_dir": dirs[name], "parallel": parallel,
+                                                                "work": work}, LaunchConfig(nproc_per_node=nproc),
+                                        run_dir, env=env)["tokens"]
+        assert [len(t) for t in runs["ep2"][1]] == [9] * 5
+        assert runs["ep2"] == runs["ep1"], name

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from align_pipeline.config.base import ConfigError, from_dict
-from align_pipeline.config.common import ModelConfig, ParallelConfig, ScoringConfig
+from align_pipeline.config.common import ModelConfig, MoEConfig, ParallelConfig, ScoringConfig
 
 GENERATING_STAGES: dict[str, str] = {
     "ppo": "it generates rollouts",
@@ -145,12 +145,23 @@ def hf_arch(path: str | Path, base: ModelConfig, label: str | None = None) -> Ar
         "num_query_groups": f"{where}:num_key_value_heads",
         "seq_length": "params:model.seq_length",
     }
+    moe = MoEConfig()
+    if cfg.get("model_type") in ("qwen3_moe", "mixtral"):  # the experts' layout (model.hf reads the rest)
+        experts_key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+        width_key = "moe_intermediate_size" if cfg.get("model_type") == "qwen3_moe" else "intermediate_size"
+        try:
+            moe = MoEConfig(num_experts=int(cfg[experts_key]), router_topk=int(cfg.get("num_experts_per_tok") or 1),
+                            ffn_hidden_size=int(cfg[width_key]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        spelled |= {"moe.num_experts": f"{where}:{experts_key}", "moe.ffn_hidden_size": f"{where}:{width_key}"}
     model = dataclasses.replace(
         base,
         num_layers=layers,
         num_attention_heads=heads,
         num_query_groups=groups,
         vocab_size=vocab if isinstance(vocab, int) and vocab > 0 else None,
+        moe=moe,
     )
     return Arch(model, where, spelled, hf=True)
 
@@ -249,9 +260,9 @@ def check_model_parallel(arch: Arch, parallel: ParallelConfig, names: Names = Na
     if m.moe.enabled() and m.moe.num_experts % ep:
         raise ConfigError(f"{p}.expert_model_parallel_size={ep} does not divide {arch.show('moe.num_experts')} "
                           "(every EP rank holds the same number of experts)")
-    if m.moe.enabled() and ep > 1 and tp > 1 and not parallel.sequence_parallel:
-        raise ConfigError(f"{p}.expert_model_parallel_size={ep} with {p}.tensor_model_parallel_size={tp} needs "
-                          f"sequence parallelism (Megatron's MoE layer): set {p}.sequence_parallel: true")
+    if m.moe.enabled() and tp > 1 and not parallel.sequence_parallel:
+        raise ConfigError(f"a mixture-of-experts model at {p}.tensor_model_parallel_size={tp} trains with sequence "
+                          f"parallelism (Megatron's MoE layer): set {p}.sequence_parallel: true")
     expert_ffn = m.moe.ffn_hidden_size or m.ffn_hidden_size
     if m.moe.enabled() and expert_ffn and expert_ffn % etp:
         raise ConfigError(f"expert TP {etp} ({p}.expert_tensor_parallel_size, default: TP) does not divide the "

@@ -170,6 +170,9 @@ def generate(
             slots, admissions = _decode_continuous(gpt, prompts, out, max_new_tokens, cuda_graphs, prefill_bucket,
                                                    min(n, max_rows), kv_cache_gib, on_finished)
         else:
+            if _ExpertLockstep.of(gpt) is not None:
+                raise NotImplementedError("generation without the KV cache (use_cache: false) does not run MoE "
+                                          "models at expert_model_parallel_size > 1")
             with _mask_honouring_attention(gpt):
                 _decode_recompute(gpt, prompts, out, max_new_tokens, prefill_bucket)
     gen = out.generation()
@@ -406,7 +409,10 @@ def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_toke
         rows = max(rows, max(chosen) + 1)
         admissions += 1
 
+    lockstep = _ExpertLockstep.of(gpt)
     with engine.attached(gpt):
+        if lockstep is not None:
+            lockstep.round(gpt, 1)
         admit(list(range(slots)))
         while True:
             ended = out.done[slot_sample[:rows]].tolist()  # waits for the GPU
@@ -421,10 +427,14 @@ def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_toke
                 engine.column[torch.tensor(finished, device=device)] = 0  # idle: no column keeps the span wide
             free = [slot for slot in range(slots) if held[slot] is None]
             if pending < n and free and (len(free) >= refill_at or len(free) == slots):
+                if lockstep is not None:
+                    lockstep.round(gpt, 1)
                 admit(free)
                 continue  # an entrant may have ended at its first token
             running = [slot for slot in range(rows) if held[slot] is not None]
             if not running:
+                if lockstep is not None and lockstep.round(gpt, 0):
+                    continue  # another expert-parallel rank still generates: this one matched its forwards
                 break
             if pending == n and engine.width(len(running)) <= engine.width(rows) // 2:
                 engine.compact(torch.tensor(running, device=device))
@@ -438,6 +448,8 @@ def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_toke
                                          if held[slot] is not None))
             # every column these steps write or read (a row past its budget stops at the last column)
             span = engine.span_for(min(max(column[:rows]) + steps, engine.length))
+            if lockstep is not None:
+                lockstep.round(gpt, steps)
             for _ in range(steps):
                 logits = engine.decode(gpt, engine.width(rows), graphs, span)[:rows]
                 engine.ids[:rows] = out.record(logits, slot_sample[:rows])
@@ -445,6 +457,40 @@ def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_toke
             column[:rows] = [min(c + steps, engine.length - 1) if held[s] is not None else 0
                              for s, c in enumerate(column[:rows])]
     return slots, admissions
+
+
+class _ExpertLockstep:
+    """Expert-parallel ranks generate in step. Every forward of an MoE model exchanges tokens with the other ranks of
+    its expert-parallel group (one all-to-all per MoE layer), but each rank generates its own samples: one may
+    prefill while another decodes, or finish first. Before each of its rounds of forwards (a prefill, a few decode
+    steps, or none when it is done) a rank learns the most any rank of the group runs in that round, and after its
+    own forwards it runs the difference as dummy forwards: one token through each MoE layer's MLP, which takes part
+    in the same exchanges and changes nothing. Generation ends when no rank has work left."""
+
+    def __init__(self, group, layers: list):
+        self.group, self.layers = group, layers
+
+    @classmethod
+    def of(cls, gpt) -> _ExpertLockstep | None:
+        if not gpt.config.num_moe_experts or gpt.pg_collection.ep.size() == 1:
+            return None
+        return cls(gpt.pg_collection.ep, [layer for layer in gpt.decoder.layers if hasattr(layer.mlp, "router")])
+
+    def round(self, gpt, forwards: int) -> int:
+        """Agree on a round in which this rank runs ``forwards`` forwards of its own: run the dummy forwards it lacks
+        against the most any rank of the group runs (how forwards pair up across ranks does not matter, only their
+        number), and return that most (0: every rank is done)."""
+        most = torch.tensor([forwards], dtype=torch.long, device=next(gpt.parameters()).device)
+        tdist.all_reduce(most, op=tdist.ReduceOp.MAX, group=self.group)
+        for _ in range(int(most.item()) - forwards):
+            self.dummy_forward()
+        return int(most.item())
+
+    def dummy_forward(self) -> None:
+        for layer in self.layers:
+            weight = layer.mlp.router.weight
+            layer.mlp(torch.zeros(1, 1, weight.shape[1], dtype=next(layer.mlp.experts.parameters()).dtype,
+                                  device=weight.device))
 
 
 # Module attributes that switch sequence parallelism (the list Megatron's own inference code toggles).

@@ -142,7 +142,7 @@ def moe_config(model: ModelConfig, parallel: ParallelConfig) -> dict:
         "moe_aux_loss_coeff": moe.aux_loss_coeff,
         "moe_z_loss_coeff": moe.z_loss_coeff or None,
         "moe_router_dtype": "fp32",
-        "moe_token_dispatcher_type": "alltoall" if torch.cuda.is_available() else "allgather",
+        "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,
         "expert_model_parallel_size": parallel.expert_model_parallel_size,
         "expert_tensor_parallel_size": parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size,
@@ -214,11 +214,12 @@ def block_spec(model: ModelConfig, config: TransformerConfig, pp_rank: int, fuse
     dense = local_layer(None)
     if not model.moe.enabled():
         return TransformerBlockSubmodules(layer_specs=[dense] * n_local, layer_norm=norm)
-    from align_pipeline.model.moe import SeededSequentialMLP
+    from align_pipeline.model.moe import PerTokenAuxLossRouter, SeededSequentialMLP
 
     moe = local_layer(model.moe.num_experts)
     experts = moe.submodules.mlp.submodules.experts
-    moe = _replace_mlp(moe, experts=dataclasses.replace(experts, module=SeededSequentialMLP))
+    moe = _replace_mlp(moe, experts=dataclasses.replace(experts, module=SeededSequentialMLP),
+                       router=PerTokenAuxLossRouter)
     return TransformerBlockSubmodules(
         layer_specs=[moe if model.moe.layer_is_moe(offset + i) else dense for i in range(n_local)], layer_norm=norm)
 

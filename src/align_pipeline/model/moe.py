@@ -1,6 +1,8 @@
 """Mixture-of-experts pieces around Megatron-core's MoE layer: a random init that does not depend on the expert
 layout, and the router's load statistics.
 
+Router: :class:`PerTokenAuxLossRouter` weighs the load-balancing loss the same at every TP size.
+
 Random init: Megatron builds each rank's local experts from the one RNG stream every rank shares, so at EP=2 both
 ranks would draw the same experts, and the layers after the first MoE layer would draw other values than at EP=1
 (fewer experts consumed the stream). On CPU initialisation (where our dense init is already TP-invariant) the
@@ -20,6 +22,7 @@ import math
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.router import TopKRouter
 
 
 class SeededSequentialMLP(SequentialMLP):
@@ -28,6 +31,26 @@ class SeededSequentialMLP(SequentialMLP):
     def __init__(self, *args, **kwargs):
         with torch.random.fork_rng(devices=[]):
             super().__init__(*args, **kwargs)
+
+
+class PerTokenAuxLossRouter(TopKRouter):
+    """Megatron's top-k router with the load-balancing loss weighted as every layout weighs it alike.
+
+    With per-token loss normalisation (our losses: gradients divided by the batch's loss tokens) Megatron multiplies
+    each rank's share of the aux loss by the tokens that rank routed, so that the division gives the loss its
+    coefficient. Under sequence parallelism a rank routes 1/TP of the tokens while its share is already a partial
+    sum over all of them: the aux gradient came out TP times weaker (seen: TP=2 + SP trained differently from TP=1
+    with the aux loss on, identically with it off). The count used here is the micro-batch's whole, as Megatron's own
+    ``total_num_tokens`` is (the local count times the group, shards being equal)."""
+
+    def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
+                                           reduce_group_has_dp=False, valid_token_count=None):
+        if (self.calculate_per_token_loss and not reduce_group_has_dp and reduce_group is not None
+                and reduce_group.size() > 1):
+            local = valid_token_count if valid_token_count is not None else activation.shape[0]
+            valid_token_count = local * reduce_group.size()
+        return super().attach_and_log_load_balancing_loss(activation, aux_loss_coeff, aux_loss, aux_loss_name,
+                                                          reduce_group, reduce_group_has_dp, valid_token_count)
 
 
 def _expert_generator(seed: int, layer: int, expert: int) -> torch.Generator:

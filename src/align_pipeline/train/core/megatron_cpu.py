@@ -18,6 +18,15 @@ Kinds of call redirected (call sites seen on megatron-core 0.16.1 / 0.19.2, see 
 4. Type-name checks: ``Tensor.type()`` (no argument) reports ``torch.cuda.<T>Tensor`` for CPU tensors, so the
    optimizer's dtype dispatch and ``clip_grad_by_total_norm_fp32``'s assert accept CPU parameters.
 
+5. Host copies of MoE token counts: the all-to-all token dispatcher hands split sizes to ``all_to_all_single`` as
+   the NumPy arrays ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)`` makes of CUDA tensors; a CPU tensor
+   came back as a tensor, which ``all_to_all_single`` refuses. It now becomes the same NumPy array.
+
+6. Uneven first-dimension collectives (the MoE dispatcher with expert TP > 1): Megatron gathers and reduce-scatters
+   rows of different counts per rank with ``all_gather`` / ``reduce_scatter`` over tensor lists, which gloo refuses
+   (it needs equal sizes, and has no reduce-scatter). On gloo they run as an all-gather of rows padded to the longest
+   then cut, and an all-reduce of the whole tensor then this rank's rows: the same values.
+
 Not redirected: ``import triton``. megatron-core 0.19 imports it unconditionally (via the pipeline schedules), but the
 pinned 0.16.x guards it with ``try/except``; a placeholder module would mislead torch's own ``has_triton()`` checks.
 
@@ -238,6 +247,47 @@ def activate() -> bool:
         return original_type(self, dtype, non_blocking, **kwargs) if dtype is not None else original_type(self)
 
     torch.Tensor.type = tensor_type
+
+    # 5. MoE split sizes as NumPy arrays.
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original_to_cpu = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            _record("moe maybe_move_tensor_to_cpu as_numpy")
+            return tensor.numpy()
+        return original_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+    # 6. Uneven gathers and reduce-scatters on gloo.
+    from megatron.core.tensor_parallel import mappings
+
+    original_gather, original_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group is None or group.size() == 1:
+            return original_gather(input_, group, output_split_sizes, use_global_buffer)
+        _record("uneven all_gather")
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group is None or group.size() == 1:
+            return original_scatter(input_, group, input_split_sizes, use_global_buffer)
+        _record("uneven reduce_scatter")
+        total = input_.clone()
+        torch.distributed.all_reduce(total, group=group)
+        return list(torch.split(total, [int(n) for n in input_split_sizes], dim=0))[group.rank()].contiguous()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
     _ACTIVE = True
     return True
