@@ -219,3 +219,44 @@ def test_generation_at_ep2_with_different_work_per_rank_equals_ep1(moe_dirs, tmp
                                         run_dir, env=env)["tokens"]
         assert [len(t) for t in runs["ep2"][1]] == [9] * 5
         assert runs["ep2"] == runs["ep1"], name
+
+
+def test_rl_features_whose_generation_calls_differ_per_rank_are_refused_at_ep2():
+    from align_pipeline.config import ReinforceConfig
+    from align_pipeline.config.checks import check_job_layout
+
+    section = ReinforceConfig()
+    section.dynamic_sampling.enabled = True
+    with pytest.raises(ConfigError, match=r"params:<stage>.dynamic_sampling.enabled is not supported with "
+                                          r"params:parallel.expert_model_parallel_size=2"):
+        check_job_layout("reinforce", section, ParallelConfig(expert_model_parallel_size=2), 2)
+    check_job_layout("reinforce", section, ParallelConfig(), 2)  # EP=1: fine
+    section = ReinforceConfig()
+    section.env.name = "align_pipeline.envs.builtin:Calculator"
+    with pytest.raises(ConfigError, match=r"params:<stage>.env.name is not supported with"):
+        check_job_layout("reinforce", section, ParallelConfig(expert_model_parallel_size=2), 2)
+
+
+def test_lora_on_moe_adapts_attention_and_dpo_takes_the_adapters_off_reference(sft_data, tmp_path):
+    """LoRA SFT at EP=2 from an MoE base: adapters on attention only (the routed experts keep their weights), the
+    held-out loss falls below the base's; DPO with LoRA at EP=2 and the reference being the policy with its adapters
+    off starts at ln 2 (policy == reference)."""
+    import math
+
+    from jobs import make_pref_data, run_dpo
+
+    from align_pipeline.model.hf_export import CheckpointTensors
+
+    lora = {"rank": 4, "alpha": 8.0}
+    base = run_sft(sft_job(sft_data, tmp_path / "base", model={"moe": MoEConfig(**MOE)}))
+    adapted = run_sft(sft_job(sft_data, tmp_path / "lora", init_from=base["model_dir"], lora=lora,
+                              parallel={"expert_model_parallel_size": 2}), nproc=2)
+    names = sorted(CheckpointTensors(Path(adapted["model_dir"]) / "adapters").shapes)
+    assert names and all(".self_attention.linear_" in n for n in names), names
+    assert adapted["val_loss"] < base["val_loss"]
+
+    pref = make_pref_data(tmp_path / "pref", sft_data["tokenizer"])
+    dpo = run_dpo(pref, sft_data["tokenizer"], base["model_dir"], tmp_path / "dpo", nproc=2, lora=lora,
+                  reference="online", parallel={"expert_model_parallel_size": 2})
+    assert "adapters off" in (tmp_path / "dpo" / "logs" / "rank0.log").read_text()
+    assert abs(dpo["history"][0]["loss"] - math.log(2)) < 1e-6

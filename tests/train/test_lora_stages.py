@@ -107,6 +107,13 @@ def test_lora_resume_is_exact(data, base, straight, tmp_path):
     assert resumed["val_loss"] == straight["val_loss"]
 
 
+def test_lora_at_dp2_loads_its_base_and_equals_dp1(data, base, straight, tmp_path):
+    """Two data-parallel ranks load the base into adapted linears (each adapter's sharded tensors count the DP group
+    in their replica ids: before, both ranks claimed the main replica and the load was refused) and train as one."""
+    dp2 = run_sft(sft_job(data, tmp_path / "dp2", init_from=base["model_dir"], lora=LORA), nproc=2)
+    assert_close(losses(dp2), losses(straight), tol=1e-5)
+
+
 def test_lora_dpo_reference_with_adapters_off_equals_a_frozen_copy(data, base, tmp_path):
     """``dpo.reference: online`` with adapters: the reference is the policy itself with its adapters off (no second
     model); the same base copied elsewhere is loaded as a separate frozen reference. Same losses and accuracies at

@@ -95,7 +95,8 @@ class LoRAColumnParallelLinear(_Adapter, ColumnParallelLinear):
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         state_dict = self.state_dict(prefix="", keep_vars=True)
         sharded = make_sharded_tensors_for_checkpoint(state_dict, prefix, {"weight": 0, "bias": 0, "lora_B": 0},
-                                                      sharded_offsets, tp_group=self.tp_group)
+                                                      sharded_offsets, tp_group=self.tp_group,
+                                                      dp_cp_group=_dp_cp_group(metadata))
         if self.config.gated_linear_unit and prefix.endswith("linear_fc1."):
             # B's rows follow the gated fc1 weight's: this rank's [gate; up] rows, stored as the whole [gate; up]
             # the way Megatron's MLP stores the weight (so any TP size reads the same adapters)
@@ -133,7 +134,14 @@ class LoRARowParallelLinear(_Adapter, RowParallelLinear):
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         state_dict = self.state_dict(prefix="", keep_vars=True)
         return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"weight": 1, "lora_A": 1},
-                                                   sharded_offsets, tp_group=self.tp_group)
+                                                   sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=_dp_cp_group(metadata))
+
+
+def _dp_cp_group(metadata: dict | None):
+    """The data-parallel group a sharded tensor's replica id counts (as Megatron's own linears pass it): without it,
+    every data-parallel rank claimed the main replica and a checkpoint did not load at DP > 1."""
+    return (metadata or {}).get("dp_cp_group")
 
 
 def lora_layer_spec(layer, rank: int, alpha: float, dropout: float, targets: tuple[str, ...] = TARGETS):

@@ -278,10 +278,14 @@ def held_out_accuracy(records: list[dict], gen: GenerationConfig, dist: Dist, co
     sample, seed)`` counts this rank's correct responses."""
     mine = records[dist.dp_rank :: dist.dp_size]
     totals = torch.zeros(3, dtype=torch.float64, device=dist.device)
-    if mine:
+    # A rank without records still generates (one record, not counted) when its expert-parallel peers do: an MoE
+    # model's forwards exchange tokens between them.
+    stand_in = not mine and dist.ep_size > 1
+    if mine or stand_in:
         one = dataclasses.replace(gen, samples_per_prompt=1)
         for i, greedy in enumerate((True, False)):
-            totals[i] = correct(greedy, mine, one, iteration_seed(one.seed, -1, dist.dp_rank))
+            right = correct(greedy, mine or records[:1], one, iteration_seed(one.seed, -1, dist.dp_rank))
+            totals[i] = right if mine else 0.0
         totals[2] = len(mine)
     tdist.all_reduce(totals, group=dist.pgs.dp)
     n = max(totals[2].item(), 1.0)
