@@ -260,3 +260,17 @@ def test_lora_on_moe_adapts_attention_and_dpo_takes_the_adapters_off_reference(s
                   reference="online", parallel={"expert_model_parallel_size": 2})
     assert "adapters off" in (tmp_path / "dpo" / "logs" / "rank0.log").read_text()
     assert abs(dpo["history"][0]["loss"] - math.log(2)) < 1e-6
+
+
+def test_cli_import_at_ep2_with_check(moe_dirs, tmp_path):
+    """`align-pipeline import HF CKPT --ep 2 --check` on the Mixtral: the checkpoint's logits (Megatron) equal the
+    HF model's (transformers)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "align_pipeline", "import", "--json", moe_dirs[0]["mixtral"],
+                           str(tmp_path / "ckpt"), "--ep", "2", "--seq-length", "32", "--check"],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["family"] == "mixtral" and summary["ep"] == 2 and summary["max_abs_logit_diff"] <= 1e-4

@@ -200,7 +200,8 @@ def import_command(argv: list[str]) -> int:
     import time
 
     parser = argparse.ArgumentParser(prog="align-pipeline import",
-                                     description="Convert a Hugging Face Llama / Qwen2 / Qwen3 / Mistral directory, "
+                                     description="Convert a Hugging Face Llama / Qwen2 / Qwen3 / Mistral / "
+                                     "Qwen3-MoE / Mixtral directory, "
                                      "or a NeMo 1.x Megatron GPT .nemo (NeMo-Aligner), into a model checkpoint any "
                                      "stage can start from (init_from), written at TP x PP by a torchrun job.")
     parser.add_argument("hf_dir", help="HF model directory (config.json + safetensors or pytorch_model.bin), or a "
@@ -208,6 +209,8 @@ def import_command(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="output checkpoint directory (must not exist)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the conversion job")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the conversion job")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size of the conversion job (MoE models; the job runs TP x PP x EP ranks)")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="training length recorded in the checkpoint (default: the model's context, <= 4096)")
     parser.add_argument("--check", action="store_true",
@@ -231,12 +234,12 @@ def import_command(argv: list[str]) -> int:
                 nemo = convert(args.hf_dir, Path(scratch) / "hf")
                 hf_dir = nemo["hf_dir"]
             result = import_hf(hf_dir, args.checkpoint, tp=args.tp, pp=args.pp, seq_length=args.seq_length,
-                               source=str(Path(args.hf_dir).resolve()) if nemo else None)
+                               source=str(Path(args.hf_dir).resolve()) if nemo else None, ep=args.ep)
         except (UserError, HFConversionError, FileNotFoundError, LaunchError) as exc:
             print(f"align-pipeline import: {exc}", file=sys.stderr)
             return 2
         summary = {"out_dir": result["out"], "family": result["model"]["hf_family"],
-                   "vocab_size": result["vocab_size"], "tp": args.tp, "pp": args.pp,
+                   "vocab_size": result["vocab_size"], "tp": args.tp, "pp": args.pp, "ep": args.ep,
                    "seconds": round(time.perf_counter() - t0, 2)}
         if nemo:
             summary["nemo"] = str(Path(args.hf_dir).resolve())
