@@ -25,8 +25,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import sft_scaling  # noqa: E402  (benchmarks/ is on the path, above)
-from train_kernels import Variant, run_hf, run_ours  # noqa: E402
+import sft_scaling  # benchmarks/ is on the path (above)
+from train_kernels import Variant, run_hf, run_ours
 
 MOE_PRESETS: dict[str, dict[str, int]] = {
     "moe_tiny": {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
