@@ -6,7 +6,8 @@ Qwen3-MoE implementation on the same GPU, same random weights, same data and bat
 * The model: a random Qwen3-MoE HF directory of the preset's shape (``moe_2b``: 24 layers, hidden 1024, 64 experts
   of width 384, top 8, GQA 16/4: ~1.9B parameters, ~0.35B active per token).
 * Ours: real torchrun jobs of ``align_pipeline.train.sft`` (bf16 with fp32 main weights, fused kernels, SDPA), one
-  per ``--ours`` variant ``kernels:recompute:micro_batch`` (as ``benchmarks/train_kernels.py``).
+  per ``--ours`` variant ``kernels:recompute:micro_batch`` (as ``benchmarks/train_kernels.py``) and ``--grouped``
+  setting (``parallel.moe_grouped_gemm``: grouped expert GEMMs on or off).
 * HF: ``Qwen3MoeForCausalLM`` from the same directory, pure bf16, SDPA, fused AdamW, the same masked token loss
   (``train_kernels.hf_worker``); transformers picks its own experts kernel.
 * MFU counts 6 x *active* parameters + 12 L H S FLOPs per token against ``--peak-tflops``.
@@ -70,7 +71,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fpt = 6 * active + 12 * preset["num_hidden_layers"] * preset["hidden_size"] * preset["seq_length"]
     print(f"[moe] preset {args.preset}: {params / 1e6:.1f}M parameters, {active / 1e6:.1f}M active, "
           f"{fpt / 1e9:.2f} GFLOP per token", flush=True)
-    rows_out = [run_ours(Variant.parse(v), args, data, hf_dir, out, on_gpu and not args.fp32) for v in args.ours]
+    rows_out = [run_ours(Variant.parse(v), args, data, hf_dir, out, on_gpu and not args.fp32,
+                         {"moe_grouped_gemm": grouped}, f" grouped-{grouped}")
+                for v in args.ours for grouped in args.grouped]
     if on_gpu and args.hf:
         rows_out.append(run_hf(False, False, args.micro_batch, args, data, hf_dir, out))
     for r in rows_out:
@@ -102,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(MOE_PRESETS), default="moe_2b")
     p.add_argument("--ours", nargs="+", default=["fused:none:4"], help="kernels:recompute:micro_batch variants")
+    p.add_argument("--grouped", nargs="+", choices=["on", "off"], default=["on", "off"],
+                   help="parallel.moe_grouped_gemm settings of our runs (on: torch's grouped matmul; off: a GEMM "
+                   "pair per expert)")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="leave out the HF transformers peer")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4, help="steps left out of tokens/s")

@@ -80,7 +80,8 @@ def flops_per_token(preset: dict[str, int], params: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------- ours
-def run_ours(variant: Variant, args, data, hf_dir: str, out: Path, bf16: bool) -> dict[str, Any]:
+def run_ours(variant: Variant, args, data, hf_dir: str, out: Path, bf16: bool,
+             parallel_overrides: dict[str, Any] | None = None, label: str = "") -> dict[str, Any]:
     from align_pipeline.config import LaunchConfig, to_dict
     from align_pipeline.launch import run_torchrun
 
@@ -88,10 +89,11 @@ def run_ours(variant: Variant, args, data, hf_dir: str, out: Path, bf16: bool) -
                                       micro_batch=variant.micro_batch,
                                       eval_samples=args.eval_samples, lr=args.lr, sequence_parallel=False,
                                       distributed_optimizer=False)
-    run_dir = out / "runs" / str(variant).replace(":", "_")
+    run_dir = out / "runs" / (str(variant).replace(":", "_") + label)
     job = sft_job(Layout(1, 1, 1), args.global_batch, scaling_args, data, hf_dir, run_dir, bf16)
     parallel = dataclasses.replace(job.parallel, kernels=variant.kernels, recompute_granularity=variant.recompute,
-                                   recompute_num_layers=1, logits_chunk_tokens=variant.logits_chunk)
+                                   recompute_num_layers=1, logits_chunk_tokens=variant.logits_chunk,
+                                   **(parallel_overrides or {}))
     job = dataclasses.replace(job, parallel=parallel)
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resumed one
     run_dir.mkdir(parents=True)
@@ -108,7 +110,8 @@ def run_ours(variant: Variant, args, data, hf_dir: str, out: Path, bf16: bool) -
     if args.profile:  # the profiled step (8) runs under the profiler: not a timing
         result = {**result, "history": [h for h in history if h["step"] != 8]}
     tps = steady_tokens_per_s(result, args.warmup)
-    row = {"trainer": "ours", "variant": str(variant), "kernels": variant.kernels, "recompute": variant.recompute,
+    row = {"trainer": "ours", "variant": str(variant) + label, "kernels": variant.kernels,
+           "recompute": variant.recompute,
            "micro_batch": variant.micro_batch, "tokens_per_s": tps,
            "peak_memory_gib": result.get("peak_memory_gib"),
            "peak_memory_by_phase_gib": result.get("peak_memory_by_phase_gib") or {},

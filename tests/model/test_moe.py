@@ -56,7 +56,9 @@ def _assert_logits(result: dict, expected: dict, layout: str) -> None:
 
 def test_logits_equal_transformers_at_ep1(moe_dirs, tmp_path):
     dirs, expected = moe_dirs
-    _assert_logits(_run(tmp_path / "run", 1, {"ep1": {}}, dirs), expected, "ep1")
+    result = _run(tmp_path / "run", 1, {"ep1": {}, "ep1_grouped": {"moe_grouped_gemm": "on"}}, dirs)
+    for layout in ("ep1", "ep1_grouped"):  # a GEMM pair per expert; one grouped GEMM per projection
+        _assert_logits(result, expected, layout)
 
 
 def test_logits_equal_transformers_at_ep2_and_tp2_x_ep2(moe_dirs, tmp_path):
@@ -68,9 +70,11 @@ def test_logits_equal_transformers_at_ep2_and_tp2_x_ep2(moe_dirs, tmp_path):
         "tp2_ep2": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "sequence_parallel": True},
         "tp2_ep2_etp1": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
                          "expert_tensor_parallel_size": 1, "sequence_parallel": True},
+        "tp2_ep2_grouped": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                            "sequence_parallel": True, "moe_grouped_gemm": "on"},
     }
     result = _run(tmp_path / "run", 4, layouts, dirs)
-    for layout in ("ep2", "tp2_ep2", "tp2_ep2_etp1"):
+    for layout in layouts:
         _assert_logits(result, expected, layout)
 
 
@@ -166,8 +170,9 @@ def sft_data(tmp_path_factory):
 
 
 def test_sft_at_ep2_equals_ep1_and_resumes_bit_exact(sft_data, tmp_path):
-    """A random-init MoE model (every layer MoE, 4 experts, top 2, aux loss on): the same model at EP=1, EP=2 and
-    TP=2 x EP=2 (the experts are drawn per (layer, expert), not from the shared stream), the same losses; 3 steps, stop, resume,
+    """A random-init MoE model (every layer MoE, 4 experts, top 2, aux loss on): the same model at EP=1, EP=2,
+    TP=2 x EP=2 and EP=2 with grouped expert GEMMs (the experts are drawn per (layer, expert), not from the shared
+    stream), the same losses; 3 steps, stop, resume,
     3 steps at EP=2 give the uninterrupted run's losses and weights. The router's load metrics are logged."""
     model = {"moe": MoEConfig(**MOE)}
     ep1 = run_sft(sft_job(sft_data, tmp_path / "ep1", model=model))
@@ -176,7 +181,10 @@ def test_sft_at_ep2_equals_ep1_and_resumes_bit_exact(sft_data, tmp_path):
     # TP=2 x EP=2 (sequence parallel): the load-balancing loss weighs the same (PerTokenAuxLossRouter)
     tp2_ep2 = run_sft(sft_job(sft_data, tmp_path / "tp2_ep2", model=model, parallel={
         "tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "sequence_parallel": True}), nproc=4)
-    for other in (ep2, tp2_ep2):
+    # grouped expert GEMMs (GroupedMLP on torch's grouped matmul) at EP=2: the same model and steps
+    grouped = run_sft(sft_job(sft_data, tmp_path / "grouped", model=model, parallel={
+        "expert_model_parallel_size": 2, "moe_grouped_gemm": "on"}), nproc=2)
+    for other in (ep2, tp2_ep2, grouped):
         np.testing.assert_allclose(losses(other), losses(ep1), atol=2e-5, rtol=0)
         assert abs(other["val_loss"] - ep1["val_loss"]) < 2e-5
     assert "ep=2" in (tmp_path / "ep2" / "logs" / "rank0.log").read_text().splitlines()[0]

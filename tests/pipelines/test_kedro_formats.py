@@ -3,21 +3,25 @@ reinforce (a real KedroSession on a temp project with a real sqlite MLflow store
 
 * SFT: OpenAI messages with tool calls and a record-level ``tools`` list, in a parquet file (``RawDataset``);
 * preference: TRL's explicit-prompt messages, in a ``datasets`` ``save_to_disk`` directory (``RawDataset``), then
-  TRL's implicit-prompt form read by kedro-datasets' own ``pandas.ParquetDataset``;
+  TRL's implicit-prompt messages read by kedro-datasets' own ``pandas.ParquetDataset``, then TRL's implicit-prompt
+  plain strings (jsonl): each form on into dpo;
 * prompts: veRL's parquet layout (``reward_model.ground_truth``, ``data_source``, ``extra_info``), scored by a reward
   function that reads ``extra_info``;
 * the same files through kedro-datasets' table datasets: polars' ``EagerPolarsDataset`` (SFT) and
   ``LazyPolarsDataset`` (prompts), ``pandas.ParquetDataset`` (TRL's implicit-prompt pairs): the same samples;
-* then jsonl files (``RawDataset``): TRL's explicit-prompt pairs as plain strings (tokenized verbatim) into dpo, and
-  prompts as chat messages with extra fields into reinforce.
+* then jsonl files (``RawDataset``): TRL's implicit-prompt pairs as plain strings (tokenized verbatim, the prompt
+  their shared text cut at a space) into dpo, and prompts as chat messages with extra fields into reinforce; last
+  the same string pairs in TRL's explicit-prompt form: the same tokens.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from chat_tokenizers import make_chat_tokenizer_dir
@@ -82,8 +86,11 @@ def _write(raw: Path) -> None:
              "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
              "extra_info": {"split": "train", "index": i}} for i, (a, b) in enumerate(pairs[:32])]
     pq.write_table(pa.Table.from_pylist(verl), raw / "prompts.parquet")
-    # jsonl: TRL's explicit-prompt pairs as plain strings (tokenized verbatim), prompts as messages
-    strings = [{"prompt": f"Q: What is {a} + {b}?\nA:", "chosen": f" {a + b}", "rejected": f" {a + b + 1}"}
+    # jsonl: TRL's string pairs (tokenized verbatim) implicit and explicit (the same pairs), prompts as messages
+    strings = [{"chosen": f"Q: What is {a} + {b}?\nA: {a + b}", "rejected": f"Q: What is {a} + {b}?\nA: {a + b + 1}"}
+               for a, b in pairs]
+    (raw / "preference_implicit_strings.jsonl").write_text("".join(json.dumps(r) + "\n" for r in strings))
+    strings = [{"prompt": f"Q: What is {a} + {b}?\nA: ", "chosen": f"{a + b}", "rejected": f"{a + b + 1}"}
                for a, b in pairs]
     (raw / "preference_strings.jsonl").write_text("".join(json.dumps(r) + "\n" for r in strings))
     messages = [{"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a} + {b}?"}],
@@ -121,9 +128,35 @@ def project(tmp_path, monkeypatch):
     return enter_project(monkeypatch, root, "test-formats")
 
 
+def _pair(path: Path, tok, row: int = 0) -> dict[str, tuple[str, str]]:
+    """``{side: (prompt, trained-on tokens)}`` of a tokenized pair, decoded from its stored tokens and response flags."""
+    from align_pipeline.data.store import mmap_npz
+
+    arrays, out = mmap_npz(path), {}
+    for side in ("chosen", "rejected"):
+        start, end = arrays[f"{side}_offsets"][row : row + 2]
+        ids, response = arrays[f"{side}_tokens"][start:end], arrays[f"{side}_response"][start:end]
+        first = int(np.argmax(response == 1))  # the prompt: every token before the first trained-on one
+        out[side] = tuple(tok.decode(part, skip_special_tokens=False) for part in (ids[:first], ids[response == 1]))
+    return out
+
+
+def _dpo_trained_on(project: Path, versions: int) -> dict:
+    """The newest dpo_policy (one of ``versions``): trained, not reused, on the current pref_train.npz."""
+    from align_pipeline.data.formats import checkpoint_meta
+
+    found = sorted((project / "data" / "06_models" / "dpo_policy").iterdir())
+    assert len(found) == versions, found
+    assert "reused_from" not in json.loads((found[-1] / "dpo_policy" / "reuse.json").read_text())
+    meta = checkpoint_meta(found[-1] / "dpo_policy")
+    sidecar = json.loads((project / "data" / "05_model_input" / "pref_train.npz.meta.json").read_text())
+    assert meta["stage"] == "dpo" and meta["lineage"]["data"]["train"] == sidecar["fingerprint"], meta["lineage"]
+    return meta
+
+
 def test_trl_openai_verl_data_through_the_catalog_into_sft_dpo_reinforce(project):
     from align_pipeline.data.formats import checkpoint_meta, load_jsonl
-    from align_pipeline.data.store import load_rows
+    from align_pipeline.data.store import load_rows, mmap_npz
     from align_pipeline.data.tokenizer import load_tokenizer
 
     outputs = run_kedro(project, "data_prep", "sft", "dpo", "reinforce")
@@ -152,8 +185,8 @@ def test_trl_openai_verl_data_through_the_catalog_into_sft_dpo_reinforce(project
         assert checkpoint_meta(version / f"{stage}_policy")["stage"] == stage
     assert outputs["reinforce_metrics"].load()["iterations"] == 1
 
-    # the same preference pairs in TRL's implicit-prompt form, read by kedro-datasets' pandas.ParquetDataset; the same
-    # SFT and veRL parquet files read by its polars datasets (a DataFrame, and a LazyFrame read in batches)
+    # the same preference pairs in TRL's implicit-prompt form, read by kedro-datasets' pandas.ParquetDataset, on into
+    # dpo; the same SFT and veRL parquet files read by its polars datasets (a DataFrame, and a LazyFrame in batches)
     catalog = yaml.safe_load((project / "conf" / "test" / "catalog_formats.yml").read_text())
     catalog["raw_preference"] = {"type": "pandas.ParquetDataset", "filepath": "data/01_raw/preference_implicit.parquet"}
     catalog["raw_sft"] = {"type": "polars.EagerPolarsDataset", "filepath": "data/01_raw/sft.parquet",
@@ -162,11 +195,17 @@ def test_trl_openai_verl_data_through_the_catalog_into_sft_dpo_reinforce(project
                               "file_format": "parquet"}
     (project / "conf" / "test" / "catalog_formats.yml").write_text(yaml.safe_dump(catalog))
     before = (data / "pref_train.npz").read_bytes()
-    run_kedro(project, "data_prep")
+    outputs = run_kedro(project, "data_prep", "dpo")
     again = load_rows(data / "pref_train.npz")
     for key in ("chosen_input_ids", "chosen_loss_mask", "rejected_input_ids", "rejected_loss_mask"):
         assert (again[key] == pref[key]).all(), key  # same pairs, same tokens and masks (no scores this time)
-    assert before != (data / "pref_train.npz").read_bytes()
+    assert before != (data / "pref_train.npz").read_bytes() and np.isnan(again["chosen_reward"]).all()
+    pair = _pair(data / "pref_train.npz", tok)
+    # the prompt = the messages both conversations share, through the chat template
+    assert pair["chosen"][0] == pair["rejected"][0] and pair["chosen"][0].endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert pair["chosen"][0].count("<|im_start|>user\nWhat is ") == 1 and "The answer" not in pair["chosen"][0]
+    assert outputs["dpo_metrics"].load()["steps"] == 2
+    _dpo_trained_on(project, 2)
     again = load_rows(data / "sft_train.npz")
     assert all((again[key] == sft[key]).all() for key in sft), "polars' SFT rows tokenized differently"
     assert load_jsonl(data / "prompts_train.jsonl") == prompts  # extra_info, data_source, ground truth: all kept
@@ -175,9 +214,10 @@ def test_trl_openai_verl_data_through_the_catalog_into_sft_dpo_reinforce(project
     assert sources == {"sft_train.npz": "raw_sft (polars.DataFrame)",
                        "prompts_train.jsonl": "raw_prompts (polars.LazyFrame)"}
 
-    # jsonl files: TRL string pairs (verbatim, no template) and prompts as messages, on into dpo and reinforce
+    # jsonl files: TRL's implicit-prompt string pairs (verbatim, no template) and prompts as messages, on into dpo and
+    # reinforce
     catalog["raw_preference"] = {"type": "align_pipeline.datasets.RawDataset",
-                                 "filepath": "data/01_raw/preference_strings.jsonl"}
+                                 "filepath": "data/01_raw/preference_implicit_strings.jsonl"}
     catalog["raw_prompts"] = {"type": "align_pipeline.datasets.RawDataset",
                               "filepath": "data/01_raw/prompts_messages.jsonl"}
     (project / "conf" / "test" / "catalog_formats.yml").write_text(yaml.safe_dump(catalog))
@@ -185,9 +225,25 @@ def test_trl_openai_verl_data_through_the_catalog_into_sft_dpo_reinforce(project
     pref = load_rows(data / "pref_train.npz")
     text = tok.decode(pref["chosen_input_ids"][0], skip_special_tokens=False)
     assert text.startswith("Q: What is ") and "<|im_start|>" not in text  # verbatim strings
-    assert tok.decode(pref["chosen_labels"][0][pref["chosen_loss_mask"][0] == 1]).strip().isdigit()
+    # the prompt = the texts' shared prefix cut back to a space ("A: 4" of "A: 42" / "A: 43" is not shared)
+    pair = _pair(data / "pref_train.npz", tok)
+    (prompt, chosen), (prompt_rejected, rejected) = pair["chosen"], pair["rejected"]
+    a, b = (int(x) for x in re.fullmatch(r"Q: What is (\d+) \+ (\d+)\?\nA: ", prompt).groups())
+    eos = tok.id_to_token(tok.eos_id)
+    assert prompt_rejected == prompt and (chosen, rejected) == (f"{a + b}{eos}", f"{a + b + 1}{eos}")
     prompts = load_jsonl(data / "prompts_train.jsonl")
     rendered = tok.decode(prompts[0]["prompt_ids"], skip_special_tokens=False)
     assert rendered.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>") and rendered.endswith("<|im_start|>assistant\n")
     assert outputs["reinforce_metrics"].load()["iterations"] == 1
-    assert len(sorted((data.parent / "06_models" / "dpo_policy").iterdir())) == 2
+    assert outputs["dpo_metrics"].load()["steps"] == 2
+    _dpo_trained_on(project, 3)
+
+    # the same string pairs in TRL's explicit-prompt form: the same tokens and response flags
+    implicit = {k: np.asarray(v) for k, v in mmap_npz(data / "pref_train.npz").items()}
+    catalog["raw_preference"]["filepath"] = "data/01_raw/preference_strings.jsonl"
+    (project / "conf" / "test" / "catalog_formats.yml").write_text(yaml.safe_dump(catalog))
+    run_kedro(project, "data_prep")
+    explicit = mmap_npz(data / "pref_train.npz")
+    assert set(explicit) == set(implicit)
+    for key, value in implicit.items():
+        assert np.array_equal(explicit[key], value, equal_nan=True), key

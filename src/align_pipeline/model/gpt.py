@@ -124,12 +124,16 @@ def moe_config(model: ModelConfig, parallel: ParallelConfig) -> dict:
     """Megatron's MoE settings for ``model.moe`` (none for a dense model).
 
     Dropless routing (no capacity factor); the router's logits and softmax in fp32; tokens reach their experts by
-    all-to-all on GPUs, by all-gather on CPU (gloo). Experts are :class:`SequentialMLP` (one GEMM pair per local
-    expert over its sorted tokens) unless grouped GEMMs are on (:func:`block_spec`)."""
+    all-to-all (ranks route different numbers of tokens). Experts: :class:`SequentialMLP` (one GEMM pair per local
+    expert over its sorted tokens), or Megatron's legacy :class:`GroupedMLP` with ``parallel.moe_grouped_gemm``
+    (:mod:`align_pipeline.model.moe`)."""
     moe = model.moe
     if not moe.enabled():
         return {}
+    from align_pipeline.model.moe import grouped_gemm_wanted
+
     _without_te_gemm()
+    grouped = grouped_gemm_wanted(parallel.moe_grouped_gemm)
     balancing = "aux_loss" if moe.aux_loss_coeff > 0 else "none"
     return {
         "num_moe_experts": moe.num_experts,
@@ -143,7 +147,8 @@ def moe_config(model: ModelConfig, parallel: ParallelConfig) -> dict:
         "moe_z_loss_coeff": moe.z_loss_coeff or None,
         "moe_router_dtype": "fp32",
         "moe_token_dispatcher_type": "alltoall",
-        "moe_grouped_gemm": False,
+        "moe_grouped_gemm": grouped,
+        "moe_use_legacy_grouped_gemm": grouped,
         "expert_model_parallel_size": parallel.expert_model_parallel_size,
         "expert_tensor_parallel_size": parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size,
     }
@@ -214,12 +219,15 @@ def block_spec(model: ModelConfig, config: TransformerConfig, pp_rank: int, fuse
     dense = local_layer(None)
     if not model.moe.enabled():
         return TransformerBlockSubmodules(layer_specs=[dense] * n_local, layer_norm=norm)
-    from align_pipeline.model.moe import PerTokenAuxLossRouter, SeededSequentialMLP
+    from align_pipeline.model.moe import PerTokenAuxLossRouter, SeededGroupedMLP, SeededSequentialMLP
 
     moe = local_layer(model.moe.num_experts)
     experts = moe.submodules.mlp.submodules.experts
-    moe = _replace_mlp(moe, experts=dataclasses.replace(experts, module=SeededSequentialMLP),
-                       router=PerTokenAuxLossRouter)
+    if config.moe_grouped_gemm:
+        experts = dataclasses.replace(experts, module=SeededGroupedMLP, submodules=None)
+    else:
+        experts = dataclasses.replace(experts, module=SeededSequentialMLP)
+    moe = _replace_mlp(moe, experts=experts, router=PerTokenAuxLossRouter)
     return TransformerBlockSubmodules(
         layer_specs=[moe if model.moe.layer_is_moe(offset + i) else dense for i in range(n_local)], layer_norm=norm)
 

@@ -495,18 +495,29 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
             return fused[e] if part == 2 else fused[e].chunk(2)[part]
         return get(moe.expert(pre, e, part), shape)
 
+    def expert_fc1(pre: str, j: int) -> torch.Tensor:
+        return torch.cat([_rows(expert_weight(pre, j, 0), etp_rank, etp_size),
+                          _rows(expert_weight(pre, j, 1), etp_rank, etp_size)])
+
+    def expert_fc2(pre: str, j: int) -> torch.Tensor:
+        return _rows(expert_weight(pre, j, 2), etp_rank, etp_size, dim=1)
+
     def expert_source(pre: str, rest: str) -> Callable[[], torch.Tensor] | None:
         m = _EXPERT.match(rest)
         if rest == "mlp.router.weight":
             return lambda: get(moe.router(pre), (experts, hidden))
+        # Grouped experts (model.moe's GroupedMLP): each local expert's fc1 / fc2 transposed, one after the other
+        if rest == "mlp.experts.weight1":
+            return lambda: torch.stack([expert_fc1(pre, j).t() for j in range(local_experts)]).reshape(hidden, -1)
+        if rest == "mlp.experts.weight2":
+            return lambda: torch.stack([expert_fc2(pre, j).t() for j in range(local_experts)]).reshape(-1, hidden)
         if m is None:
             return None
         j, linear = int(m.group(1)), m.group(2)
         if linear == "linear_fc1.weight":
-            return lambda: torch.cat([_rows(expert_weight(pre, j, 0), etp_rank, etp_size),
-                                      _rows(expert_weight(pre, j, 1), etp_rank, etp_size)])
+            return lambda: expert_fc1(pre, j)
         if linear == "linear_fc2.weight":
-            return lambda: _rows(expert_weight(pre, j, 2), etp_rank, etp_size, dim=1)
+            return lambda: expert_fc2(pre, j)
         return None
 
     def vocab_rows(name: str, local_rows: int) -> torch.Tensor:

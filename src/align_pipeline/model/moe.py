@@ -1,6 +1,10 @@
 """Mixture-of-experts pieces around Megatron-core's MoE layer: a random init that does not depend on the expert
 layout, and the router's load statistics.
 
+Experts: Megatron's :class:`SequentialMLP` (a GEMM pair per local expert), or with ``parallel.moe_grouped_gemm``
+its :class:`GroupedMLP` on torch's grouped matmul (one GEMM per projection for all local experts); checkpoints of
+either load into the other.
+
 Router: :class:`PerTokenAuxLossRouter` weighs the load-balancing loss the same at every TP size.
 
 Random init: Megatron builds each rank's local experts from the one RNG stream every rank shares, so at EP=2 both
@@ -21,7 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
-from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 
 
@@ -53,6 +57,65 @@ class PerTokenAuxLossRouter(TopKRouter):
                                                           reduce_group, reduce_group_has_dp, valid_token_count)
 
 
+class SeededGroupedMLP(GroupedMLP):
+    """Megatron's :class:`GroupedMLP` (all local experts' weights in two tensors, one grouped GEMM per projection),
+    built without drawing from the shared RNG stream, its GEMMs torch's grouped matmul in any dtype (Megatron's
+    forward asserts bf16, which only the CUTLASS kernels need)."""
+
+    def __init__(self, *args, **kwargs):
+        install_grouped_gemm()
+        with torch.random.fork_rng(devices=[]):
+            super().__init__(*args, **kwargs)
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        hidden, local = self.config.hidden_size, self.num_local_experts
+        probs = permuted_probs.unsqueeze(-1)
+        if permuted_local_hidden_states.nelement() == 0:  # no token here: a zero-size product keeps the gradients
+            h = torch.matmul(permuted_local_hidden_states, self.weight1.view(hidden, -1))
+            return torch.matmul(self.activation_func_with_probs(h, probs), self.weight2.view(-1, hidden)), None
+        gmm = _TorchGroupedGemmOps.gmm
+        fc1 = gmm(permuted_local_hidden_states, self.weight1.view(local, hidden, -1), tokens_per_expert)
+        return gmm(self.activation_func_with_probs(fc1, probs), self.weight2.view(local, -1, hidden),
+                   tokens_per_expert), None
+
+
+class _TorchGroupedGemmOps:
+    """``grouped_gemm.ops.gmm`` as Megatron's GroupedMLP calls it, on ``torch._grouped_mm``: rows of ``a`` [T, K]
+    grouped by ``batch_sizes`` (tokens per local expert, in order) times that expert's ``b[e]`` [K, N] (``trans_b``:
+    [N, K]). On a GPU the kernel wants ``b`` column-major: it gets a column-major copy."""
+
+    @staticmethod
+    def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+        if trans_b:
+            b = b.transpose(1, 2)
+        if a.is_cuda:
+            b = b.transpose(1, 2).contiguous().transpose(1, 2)
+        offs = torch.cumsum(batch_sizes.to(device=a.device), 0).to(torch.int32)
+        return torch._grouped_mm(a, b, offs=offs)
+
+
+class _TorchGroupedGemm:
+    ops = _TorchGroupedGemmOps
+
+
+def install_grouped_gemm() -> None:
+    """Megatron's GroupedMLP needs the ``grouped_gemm`` package (CUTLASS, built from source): when it is not there,
+    torch's grouped matmul stands in (the same call; CPU and CUDA)."""
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    if grouped_gemm_util.grouped_gemm is None:
+        grouped_gemm_util.grouped_gemm = _TorchGroupedGemm
+        grouped_gemm_util.ops = _TorchGroupedGemmOps
+
+
+def grouped_gemm_wanted(setting: str) -> bool:
+    """``parallel.moe_grouped_gemm``: on, off, or auto (on with CUDA and torch's grouped matmul)."""
+    if setting != "auto":
+        return setting == "on"
+    return torch.cuda.is_available() and hasattr(torch, "_grouped_mm")
+
+
 def _expert_generator(seed: int, layer: int, expert: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + layer * 4_099 + expert) % (2**63 - 1))
 
@@ -73,16 +136,28 @@ def init_experts(gpt, seed: int) -> int:
             experts = getattr(layer.mlp, "experts", None)
             if experts is None:
                 continue
-            local = len(experts.local_experts)
-            for j, expert in enumerate(experts.local_experts):
+            local = experts.num_local_experts
+            for j in range(local):
                 g = _expert_generator(seed, layer.layer_number, ep_rank * local + j)
                 gate, up = (torch.randn(ffn, hidden, generator=g) * std for _ in range(2))
                 down = torch.randn(hidden, ffn, generator=g) * out_std
                 fc1 = torch.cat([gate.chunk(etp_size)[etp_rank], up.chunk(etp_size)[etp_rank]])
-                expert.linear_fc1.weight.copy_(fc1)
-                expert.linear_fc2.weight.copy_(down.chunk(etp_size, dim=1)[etp_rank])
+                set_expert_weights(experts, j, fc1, down.chunk(etp_size, dim=1)[etp_rank])
                 count += 1
     return count
+
+
+def set_expert_weights(experts, j: int, fc1: torch.Tensor, fc2: torch.Tensor) -> None:
+    """Local expert ``j``'s fc1 [2F/etp, H] ([gate; up] rows of this expert-TP rank) and fc2 [H, F/etp], into a
+    :class:`SequentialMLP` (one linear pair per expert) or a :class:`GroupedMLP` (``weight1`` holds, expert after
+    expert, each fc1 transposed [H, 2F/etp]; ``weight2`` each fc2 transposed [F/etp, H])."""
+    if isinstance(experts, GroupedMLP):
+        hidden, local = experts.config.hidden_size, experts.num_local_experts
+        experts.weight1.view(local, hidden, -1)[j].copy_(fc1.t())
+        experts.weight2.view(local, -1, hidden)[j].copy_(fc2.t())
+    else:
+        experts.local_experts[j].linear_fc1.weight.copy_(fc1)
+        experts.local_experts[j].linear_fc2.weight.copy_(fc2)
 
 
 def moe_layers(gpt) -> list:
