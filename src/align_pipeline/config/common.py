@@ -183,8 +183,8 @@ class ParallelConfig:
     """Tensor parallel size inside each expert (expert TP); None = tensor_model_parallel_size."""
     moe_grouped_gemm: Literal["auto", "on", "off"] = "auto"
     """An MoE model's experts: on = all local experts' weights in two tensors and one grouped GEMM per projection
-    (torch's grouped matmul), off = one GEMM pair per local expert over its tokens; auto = on with CUDA. The same
-    numbers either way (checkpoints load into both)."""
+    (torch's grouped matmul), off = one GEMM pair per local expert over its tokens; auto = on for bf16 on a Hopper
+    GPU or newer. The same numbers either way (checkpoints load into both)."""
     sequence_parallel: bool = False
     """Shard norms/dropout along the sequence across TP ranks (needs TP > 1)."""
     use_distributed_optimizer: bool = False

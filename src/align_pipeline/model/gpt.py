@@ -133,7 +133,7 @@ def moe_config(model: ModelConfig, parallel: ParallelConfig) -> dict:
     from align_pipeline.model.moe import grouped_gemm_wanted
 
     _without_te_gemm()
-    grouped = grouped_gemm_wanted(parallel.moe_grouped_gemm)
+    grouped = grouped_gemm_wanted(parallel.moe_grouped_gemm, parallel.bf16)
     balancing = "aux_loss" if moe.aux_loss_coeff > 0 else "none"
     return {
         "num_moe_experts": moe.num_experts,

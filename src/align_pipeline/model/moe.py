@@ -109,11 +109,13 @@ def install_grouped_gemm() -> None:
         grouped_gemm_util.ops = _TorchGroupedGemmOps
 
 
-def grouped_gemm_wanted(setting: str) -> bool:
-    """``parallel.moe_grouped_gemm``: on, off, or auto (on with CUDA and torch's grouped matmul)."""
+def grouped_gemm_wanted(setting: str, bf16: bool) -> bool:
+    """``parallel.moe_grouped_gemm``: on, off, or auto (on for bf16 on a Hopper-class GPU or newer, where torch's
+    grouped matmul has its CUDA kernel)."""
     if setting != "auto":
         return setting == "on"
-    return torch.cuda.is_available() and hasattr(torch, "_grouped_mm")
+    return (bf16 and hasattr(torch, "_grouped_mm") and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (9, 0))
 
 
 def _expert_generator(seed: int, layer: int, expert: int) -> torch.Generator:
