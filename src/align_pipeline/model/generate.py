@@ -215,7 +215,7 @@ def prepare_generation(model, *, batch: int, length: int, prompt_len: int, vocab
     t0 = time.perf_counter()
     engine = decode_engine(gpt, batch, length)
     captured = engine.capture_seconds
-    cuda_graphs = cuda_graphs and not gpt.config.num_moe_experts  # see _decode_continuous
+    cuda_graphs = cuda_graphs and not getattr(gpt.config, "num_moe_experts", None)  # see _decode_continuous
     if engine.device.type == "cuda":
         if cuda_graphs:
             with _inference_mode(model, gpt), engine.attached(gpt):
@@ -371,7 +371,7 @@ def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_toke
     slots = decode_slots(gpt, slots, length, kv_cache_gib)
     engine = decode_engine(gpt, slots, length, max_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib > 0 else None)
     # An MoE step routes a data-dependent number of tokens to each expert (host-side splits): not capturable.
-    graphs = cuda_graphs and engine.device.type == "cuda" and not gpt.config.num_moe_experts
+    graphs = cuda_graphs and engine.device.type == "cuda" and not getattr(gpt.config, "num_moe_experts", None)
     # Ended rows are looked for every few steps on a GPU (each look waits for the GPU), every step on the CPU; free
     # slots are refilled once a sixteenth of them are free (each refill is a prefill).
     check_every = 8 if engine.device.type == "cuda" else 1
@@ -472,7 +472,7 @@ class _ExpertLockstep:
 
     @classmethod
     def of(cls, gpt) -> _ExpertLockstep | None:
-        if not gpt.config.num_moe_experts or gpt.pg_collection.ep.size() == 1:
+        if not getattr(gpt.config, "num_moe_experts", None) or gpt.pg_collection.ep.size() == 1:
             return None
         return cls(gpt.pg_collection.ep, [layer for layer in gpt.decoder.layers if hasattr(layer.mlp, "router")])
 
