@@ -1,5 +1,6 @@
 """data_prep's nodes over a generated parquet file of SFT conversations, in a process of its own; prints one JSON
-line: rows, the text's size and the process's peak resident memory (``VmHWM``).
+line: rows, the text's size, the process's peak resident memory (``VmHWM``) and the peak of what data_prep held
+(Python's heap, traced by ``tracemalloc``, plus Arrow's memory pool: allocations, not the allocators' retained pages).
 
     python tests/data/streaming_worker.py OUT_DIR ROWS CHARS_PER_ROW [ROW_GROUP_ROWS [CHUNK_BYTES]]
 
@@ -76,6 +77,11 @@ def run_data_prep(out: str, chunk_bytes: int | None = None) -> dict:
         store.CHUNK_BYTES = store.SPILL_BUFFER = chunk_bytes
 
     base = _peak_rss_mib()
+    import tracemalloc
+
+    import pyarrow as pa
+
+    tracemalloc.start()  # after the imports: what data_prep allocates, not the modules
     prompts = Path(out) / "prompts.jsonl"
     prompts.write_text('{"prompt": "add: 1+2", "answer": "3"}\n{"prompt": "add: 2+2", "answer": "4"}\n')
     pref = Path(out) / "pref.jsonl"
@@ -91,8 +97,9 @@ def run_data_prep(out: str, chunk_bytes: int | None = None) -> dict:
     TokenizedNpzDataset(str(Path(out) / "sft_train.npz")).save(sft_train)
     TokenizedNpzDataset(str(Path(out) / "sft_val.npz")).save(sft_val)
     PromptsJsonlDataset(str(Path(out) / "prompts_train.jsonl")).save(prompts_train)
-    return {"base_rss_mib": base, "peak_rss_mib": _peak_rss_mib(), "sft_train_samples": metrics["sft_train_samples"],
-            "sft_val_samples": metrics["sft_val_samples"], "npz_mib": (Path(out) / "sft_train.npz").stat().st_size / 2**20}
+    held = tracemalloc.get_traced_memory()[1] + pa.default_memory_pool().max_memory()
+    return {"base_rss_mib": base, "peak_rss_mib": _peak_rss_mib(), "peak_held_mib": held / 2**20,
+            "sft_train_samples": metrics["sft_train_samples"], "sft_val_samples": metrics["sft_val_samples"], "npz_mib": (Path(out) / "sft_train.npz").stat().st_size / 2**20}
 
 
 if __name__ == "__main__":
