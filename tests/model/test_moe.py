@@ -1,9 +1,11 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral) on CPU with real Megatron-core MoE layers on gloo: logits equal
 transformers' at every expert layout, import -> export returns the source tensors, the config mapping and its
-refusals, SFT at EP=2 equals EP=1 and resumes bit-exact, the router's load metrics."""
+refusals, SFT at EP=2 equals EP=1 and resumes bit-exact, the reward model and PPO at EP=2 equal EP=1, the router's
+load metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from hf_models import tiny_moe_models
-from jobs import losses, make_sft_data, run_sft, sft_job
+from jobs import TINY_MODEL, losses, make_sft_data, run_sft, sft_job
 
 from align_pipeline.config import LaunchConfig, ModelConfig, ParallelConfig
 from align_pipeline.config.base import ConfigError
@@ -282,3 +284,39 @@ def test_cli_import_at_ep2_with_check(moe_dirs, tmp_path):
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["family"] == "mixtral" and summary["ep"] == 2 and summary["max_abs_logit_diff"] <= 1e-4
+
+
+def test_reward_model_at_ep2_equals_ep1_and_ppo_at_ep2_equals_ep1(sft_data, tmp_path):
+    """The two stages the other MoE tests leave out. An MoE policy (SFT at EP=1) -> an MoE reward model at EP=1 and
+    at EP=2: the same losses and validation figures. PPO from that policy and reward model (actor, critic, reference
+    and reward model all MoE, generation included) on two ranks at EP=1 (DP=2) and at EP=2 (DP=2, the experts
+    split): the same per-iteration metrics and the same trained actor."""
+    from jobs import make_pref_data, make_prompts, run_rm
+    from rl_jobs import deterministic, max_diff, outputs_of, ppo_job, run
+
+    model = dataclasses.replace(TINY_MODEL, moe=MoEConfig(**MOE))
+    base = run_sft(sft_job(sft_data, tmp_path / "base", model={"moe": MoEConfig(**MOE)}))
+    pref = make_pref_data(tmp_path / "pref", sft_data["tokenizer"])
+    rms = {ep: run_rm(pref, sft_data["tokenizer"], base["model_dir"], tmp_path / f"rm_ep{ep}", model=model,
+                      parallel=ParallelConfig(expert_model_parallel_size=ep), nproc=ep) for ep in (1, 2)}
+    np.testing.assert_allclose(losses(rms[2]), losses(rms[1]), atol=2e-5, rtol=0)
+    assert rms[2]["train_metrics"]["moe/aux_loss"] == pytest.approx(rms[1]["train_metrics"]["moe/aux_loss"], abs=2e-5)
+    val = {k: (rms[1][k], rms[2][k]) for k in rms[1] if k.startswith("val_")}
+    for key in ("val_loss", "val_accuracy", "val_reward_margin"):
+        assert abs(val[key][0] - val[key][1]) < 2e-5, val
+    # The rewards themselves may move together: the value head's bias has no gradient under the pairwise loss, so
+    # Adam turns the float noise of another summation order into lr-sized steps (measured: the bias alone differed,
+    # by 1.2e-4; every other tensor within 1e-6).
+    shift = val["val_reward_chosen"][1] - val["val_reward_chosen"][0]
+    assert abs(shift) < 1e-3 and abs(val["val_reward_rejected"][1] - val["val_reward_rejected"][0] - shift) < 2e-5, val
+
+    models = {"tokenizer": sft_data["tokenizer"], "prompts": make_prompts(tmp_path / "prompts", sft_data["tokenizer"]),
+              "sft": base["model_dir"], "rm": rms[1]["model_dir"]}
+    ppo = {ep: run("ppo", ppo_job(models, tmp_path / f"ppo_ep{ep}", model=model,
+                                  parallel=ParallelConfig(expert_model_parallel_size=ep)), nproc=2) for ep in (1, 2)}
+    for a, b in zip(deterministic(ppo[1]["history"]), deterministic(ppo[2]["history"]), strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-4), (k, a[k], b[k])
+    assert {"train/moe/aux_loss", "critic/moe/aux_loss", "critic/moe/expert_3/load"} <= ppo[2]["history"][-1].keys()
+    assert max_diff(outputs_of(ppo[1]["actor_dir"], tmp_path / "o1"), outputs_of(ppo[2]["actor_dir"], tmp_path / "o2")) < 1e-4

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from jobs import TINY_MODEL, run_sft, sft_job
-from test_rl_stages import DEMO, _max_diff, _tree_hash, outputs_of, run
+from rl_jobs import DEMO, max_diff, outputs_of, run, tree_hash
 
 from align_pipeline.config import (
     DistillConfig,
@@ -59,7 +59,7 @@ def distill_job(models, run_dir: Path, teacher: str, iterations: int = 2, parall
 
 
 def test_the_student_moves_towards_a_teacher_of_another_architecture(models, tmp_path):
-    before = _tree_hash(models["teacher"])
+    before = tree_hash(models["teacher"])
     result = run("distill", distill_job(models, tmp_path / "d", models["teacher"], iterations=10, prompts=32))
     history = result["history"]
     assert all(math.isfinite(v) for it in history for v in it.values())
@@ -70,7 +70,7 @@ def test_the_student_moves_towards_a_teacher_of_another_architecture(models, tmp
     assert history[0]["train/reverse_kl"] > 0 and history[0]["train/grad_norm"] > 0
     assert "train/pg_loss" not in history[0]  # pure distillation: the reward is measured, not trained on
     assert "rollout/accuracy" in history[0] and 0 <= result["val/greedy_accuracy"] <= 1
-    assert _tree_hash(models["teacher"]) == before  # the teacher is frozen
+    assert tree_hash(models["teacher"]) == before  # the teacher is frozen
     meta = json.loads((Path(result["actor_dir"]) / "meta.json").read_text())
     assert meta["stage"] == "distill" and meta["lineage"]["teacher"] == models["teacher"]
     assert meta["lineage"]["reference"] is None
@@ -86,7 +86,7 @@ def test_a_model_distilled_from_itself_does_not_move(models, tmp_path):
     (it,) = result["history"]
     assert it["rollout/teacher_kl"] == pytest.approx(0.0, abs=1e-5)
     assert it["train/reverse_kl"] == pytest.approx(0.0, abs=1e-6) and it["train/grad_norm"] == pytest.approx(0.0)
-    assert _max_diff(outputs_of(result["actor_dir"], tmp_path / "o1"), outputs_of(models["sft"], tmp_path / "o2")) \
+    assert max_diff(outputs_of(result["actor_dir"], tmp_path / "o1"), outputs_of(models["sft"], tmp_path / "o2")) \
         < 1e-6
 
 

@@ -5,44 +5,37 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import os
 from pathlib import Path
 
 import pytest
-from jobs import TINY_MODEL
+from rl_jobs import (
+    DEMO,
+    DETERMINISTIC,
+    deterministic,
+    max_diff,
+    outputs_of,
+    ppo_job,
+    reinforce_job,
+    run,
+    tree_hash,
+)
 
 from align_pipeline.config import (
     DynamicSamplingConfig,
-    GenerationConfig,
     KLConfig,
-    LaunchConfig,
-    LoRAConfig,
-    OptimizerConfig,
     ParallelConfig,
-    PPOConfig,
-    PPOJob,
-    PPOLossConfig,
-    PPOPaths,
-    ReinforceConfig,
-    ReinforceJob,
     ReinforceLossConfig,
     RewardConfig,
     RewardFunctionConfig,
     RLLoopConfig,
-    RLPaths,
-    to_dict,
 )
-from align_pipeline.launch import run_torchrun
 
 pytestmark = pytest.mark.slow  # launches torchrun jobs or a KedroSession
 
 HERE = Path(__file__).resolve().parent
-# Per-iteration numbers that are not timings (those differ run to run).
-DETERMINISTIC = ("rollout/", "train/", "critic/", "val/")
-DEMO = RewardFunctionConfig(name="align_pipeline.rewards:demo_task", weight=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -50,86 +43,8 @@ def models(tiny_models):
     return tiny_models
 
 
-def _rl_section(iterations: int) -> dict:
-    return {
-        "rl": RLLoopConfig(seed=11, iterations=iterations, prompts_per_iteration=8, epochs=2, minibatches=2,
-                           micro_batch_size=2, eval_interval=0, eval_prompts=8, save_interval=0),
-        "generation": GenerationConfig(max_new_tokens=8, samples_per_prompt=1, seed=5),
-        "optimizer": OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=0),
-    }
-
-
-def _rl_paths(models, run_dir: Path, **extra) -> dict:
-    return {"run_dir": str(run_dir), "prompts": models["prompts"]["train"], "val_prompts": models["prompts"]["val"],
-            "tokenizer": models["tokenizer"], "policy": models["sft"], **extra}
-
-
-def ppo_job(models, run_dir: Path, iterations: int = 2, parallel: ParallelConfig | None = None,
-            stop_after: int | None = None, critic_warmup: int = 0, lora: dict | None = None,
-            reference: str | None = None) -> PPOJob:
-    adapters = {"lora": LoRAConfig(**lora), "critic_lora": LoRAConfig(**lora)} if lora else {}
-    section = PPOConfig(
-        **adapters,
-        **_rl_section(iterations),
-        reward=RewardConfig(reward_model_weight=1.0, functions=[DEMO], missing_eos_penalty=0.5),
-        kl=KLConfig(beta=0.1, adaptive=True, target=0.5, horizon=100.0),
-        loss=PPOLossConfig(entropy_coef=0.01, value_clip_eps=None if critic_warmup else 0.2),
-        critic_optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0), critic_warmup_iterations=critic_warmup,
-    )
-    return PPOJob(ppo=section, model=TINY_MODEL, parallel=parallel or ParallelConfig(),
-                  paths=PPOPaths(**_rl_paths(models, run_dir, reward_model=models["rm"], reference=reference)),
-                  stop_after=stop_after)
-
-
-def reinforce_job(models, run_dir: Path, iterations: int = 2, stop_after: int | None = None, **section) -> ReinforceJob:
-    fields = {**_rl_section(iterations), "reward": RewardConfig(reward_model_weight=0.0, functions=[DEMO]),
-              "loss": ReinforceLossConfig(estimator="grpo"), "kl": KLConfig(estimator="k3", beta=0.05), **section}
-    fields["generation"] = dataclasses.replace(fields["generation"], samples_per_prompt=4)
-    return ReinforceJob(reinforce=ReinforceConfig(**fields), model=TINY_MODEL, paths=RLPaths(**_rl_paths(models, run_dir)),
-                        stop_after=stop_after)
-
-
-def run(module: str, job, nproc: int = 1, env: dict[str, str] | None = None) -> dict:
-    Path(job.paths.run_dir).mkdir(parents=True, exist_ok=True)
-    return run_torchrun(f"align_pipeline.train.{module}", to_dict(job), LaunchConfig(nproc_per_node=nproc),
-                        job.paths.run_dir, env=env)
-
-
-def outputs_of(model_dir: str, run_dir: Path, nproc: int = 1, parallel: dict | None = None):
-    """The model's outputs (logits, or values for a value-head checkpoint) on fixed tokens (model.logits_job)."""
-    cfg = {"run_dir": str(run_dir), "checkpoint": model_dir, "parallel": parallel or {},
-           "tokens": [[1, 18, 21, 21, 17, 5, 9, 9, 6, 15, 16, 4, 12, 2]]}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg))
-    import subprocess
-    import sys
-
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    "-m", "align_pipeline.train.jobs.logits", "--config", str(run_dir / "config.json")],
-                   check=True, capture_output=True)
-    return json.loads((run_dir / "result.json").read_text())["logits"]
-
-
-def _tree_hash(path: str) -> str:
-    h = hashlib.sha256()
-    for f in sorted(Path(path).rglob("*")):
-        if f.is_file():
-            h.update(f.name.encode() + f.read_bytes())
-    return h.hexdigest()
-
-
-def _max_diff(a, b) -> float:
-    import numpy as np
-
-    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
-
-
-def _deterministic(history: list[dict]) -> list[dict]:
-    return [{k: v for k, v in h.items() if k.startswith(DETERMINISTIC)} for h in history]
-
-
 def test_one_ppo_iteration_trains_actor_and_critic_and_leaves_reference_and_rm_alone(models, tmp_path):
-    before = {k: _tree_hash(models[k]) for k in ("sft", "rm")}
+    before = {k: tree_hash(models[k]) for k in ("sft", "rm")}
     result = run("ppo", ppo_job(models, tmp_path / "ppo", iterations=1))
     (it,) = result["history"]
     assert all(math.isfinite(v) for v in it.values()), it
@@ -150,12 +65,12 @@ def test_one_ppo_iteration_trains_actor_and_critic_and_leaves_reference_and_rm_a
         1 - it["rollout/fraction_of_samples_properly_ended"])
     assert it["train/entropy"] > 0 and it["train/grad_norm"] > 0 and it["critic/grad_norm"] > 0
     # the frozen inputs are untouched; the exported actor and critic moved away from them
-    assert {k: _tree_hash(models[k]) for k in ("sft", "rm")} == before
+    assert {k: tree_hash(models[k]) for k in ("sft", "rm")} == before
     actor = outputs_of(result["actor_dir"], tmp_path / "o1")
     sft = outputs_of(models["sft"], tmp_path / "o2")
     critic = outputs_of(result["critic_dir"], tmp_path / "o3")
     rm = outputs_of(models["rm"], tmp_path / "o4")
-    assert _max_diff(actor, sft) > 1e-3 and _max_diff(critic, rm) > 1e-3
+    assert max_diff(actor, sft) > 1e-3 and max_diff(critic, rm) > 1e-3
     meta = json.loads((Path(result["critic_dir"]) / "meta.json").read_text())
     assert meta["head"] == "value" and meta["stage"] == "ppo" and meta["lineage"]["reward_model"] == models["rm"]
 
@@ -174,25 +89,25 @@ def test_lora_ppo_reference_is_the_actor_with_adapters_off(models, tmp_path):
     assert "adapters off" in (tmp_path / "off" / "logs" / "rank0.log").read_text()
     first, second = off["history"]
     assert first["rollout/init_policy_kl"] == 0.0 and second["rollout/init_policy_kl"] > 1e-6
-    for a, b in zip(_deterministic(off["history"]), _deterministic(frozen["history"])):
+    for a, b in zip(deterministic(off["history"]), deterministic(frozen["history"])):
         assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < 1e-5
     storage = {name: json.loads((Path(off[name]) / "meta.json").read_text())["lora"]["storage"]
                for name in ("actor_dir", "critic_dir")}
     assert storage == {"actor_dir": "adapters", "critic_dir": "merged"}  # a value head is stored merged
     actor = outputs_of(off["actor_dir"], tmp_path / "o_actor")  # merged into the SFT policy on load
-    assert _max_diff(actor, outputs_of(frozen["actor_dir"], tmp_path / "o_frozen")) < 1e-5
-    assert _max_diff(actor, outputs_of(models["sft"], tmp_path / "o_sft")) > 1e-4
+    assert max_diff(actor, outputs_of(frozen["actor_dir"], tmp_path / "o_frozen")) < 1e-5
+    assert max_diff(actor, outputs_of(models["sft"], tmp_path / "o_sft")) > 1e-4
 
 
 def test_ppo_tensor_parallel_matches_one_rank(models, tmp_path):
     one = run("ppo", ppo_job(models, tmp_path / "tp1", iterations=2))
     two = run("ppo", ppo_job(models, tmp_path / "tp2", iterations=2,
                              parallel=ParallelConfig(tensor_model_parallel_size=2)), nproc=2)
-    for a, b in zip(_deterministic(one["history"]), _deterministic(two["history"])):
+    for a, b in zip(deterministic(one["history"]), deterministic(two["history"])):
         assert a.keys() == b.keys()
         for k in a:
             assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-4), (k, a[k], b[k])
-    assert _max_diff(outputs_of(one["actor_dir"], tmp_path / "l1"), outputs_of(two["actor_dir"], tmp_path / "l2")) < 1e-3
+    assert max_diff(outputs_of(one["actor_dir"], tmp_path / "l1"), outputs_of(two["actor_dir"], tmp_path / "l2")) < 1e-3
 
 
 @pytest.mark.parametrize("module", ["ppo", "reinforce"])
@@ -209,8 +124,8 @@ def test_resume_after_interruption_continues_with_identical_metrics(models, tmp_
     assert stopped["stopped_at_iteration"] == 1
     resumed = run(module, make(models, tmp_path / "resumed", iterations=3))
     assert [h["iteration"] for h in resumed["history"]] == [2, 3]
-    assert _deterministic(resumed["history"]) == _deterministic(full["history"][1:])  # exact, not approximate
-    assert _deterministic(stopped["history"]) == _deterministic(full["history"][:1])
+    assert deterministic(resumed["history"]) == deterministic(full["history"][1:])  # exact, not approximate
+    assert deterministic(stopped["history"]) == deterministic(full["history"][:1])
     assert outputs_of(resumed["actor_dir"], tmp_path / "a") == outputs_of(full["actor_dir"], tmp_path / "b")
 
 
@@ -310,7 +225,7 @@ def test_dynamic_sampling_drops_groups_without_signal_and_refills(models, tmp_pa
     assert run("reinforce", job("resumed", "half_without_signal", iterations=2, stop_after=1),
                env=env)["stopped_at_iteration"] == 1
     resumed = run("reinforce", job("resumed", "half_without_signal", iterations=2), env=env)
-    assert _deterministic(resumed["history"]) == _deterministic(full["history"][1:])
+    assert deterministic(resumed["history"]) == deterministic(full["history"][1:])
 
     # no group ever has signal: every round runs, dropped groups fill the batch (zero advantages)
     (none,) = run("reinforce", job("none", "no_signal", iterations=1), env=env)["history"]
@@ -345,7 +260,7 @@ def test_micro_batches_cut_to_their_rows_train_as_rows_without_the_padding(model
         result = run("reinforce", job)
         meta = json.loads((Path(result["actor_dir"]) / "meta.json").read_text())
         assert meta["model"]["seq_length"] == seq
-        runs[seq] = _deterministic(result["history"])
+        runs[seq] = deterministic(result["history"])
     for a, b in zip(runs[64], runs[300]):
         assert a.keys() == b.keys()
         for k in a:
