@@ -71,11 +71,12 @@ def ppo_job(models, run_dir: Path, iterations: int = 2, parallel: ParallelConfig
                   stop_after=stop_after)
 
 
-def reinforce_job(models, run_dir: Path, iterations: int = 2, stop_after: int | None = None, **section) -> ReinforceJob:
+def reinforce_job(models, run_dir: Path, iterations: int = 2, stop_after: int | None = None,
+                  model: ModelConfig = TINY_MODEL, **section) -> ReinforceJob:
     fields = {**rl_section(iterations), "reward": RewardConfig(reward_model_weight=0.0, functions=[DEMO]),
               "loss": ReinforceLossConfig(estimator="grpo"), "kl": KLConfig(estimator="k3", beta=0.05), **section}
     fields["generation"] = dataclasses.replace(fields["generation"], samples_per_prompt=4)
-    return ReinforceJob(reinforce=ReinforceConfig(**fields), model=TINY_MODEL, paths=RLPaths(**rl_paths(models, run_dir)),
+    return ReinforceJob(reinforce=ReinforceConfig(**fields), model=model, paths=RLPaths(**rl_paths(models, run_dir)),
                         stop_after=stop_after)
 
 

@@ -171,6 +171,17 @@ def sft_data(tmp_path_factory):
     return make_sft_data(tmp_path_factory.mktemp("moe_sft"), n_train=64)
 
 
+@pytest.fixture(scope="module")
+def moe_base(sft_data, tmp_path_factory):
+    """A random-init MoE model (every layer MoE, 4 experts, top 2) after a short SFT at EP=1, its data and prompts."""
+    from jobs import make_pref_data, make_prompts
+
+    root = tmp_path_factory.mktemp("moe_base")
+    base = run_sft(sft_job(sft_data, root / "sft", model={"moe": MoEConfig(**MOE)}))
+    return {"base": base, "tokenizer": sft_data["tokenizer"], "pref": make_pref_data(root / "pref", sft_data["tokenizer"]),
+            "prompts": make_prompts(root / "prompts", sft_data["tokenizer"])}
+
+
 def test_sft_at_ep2_equals_ep1_and_resumes_bit_exact(sft_data, tmp_path):
     """A random-init MoE model (every layer MoE, 4 experts, top 2, aux loss on): the same model at EP=1, EP=2,
     TP=2 x EP=2 and EP=2 with grouped expert GEMMs (the experts are drawn per (layer, expert), not from the shared
@@ -231,42 +242,25 @@ def test_generation_at_ep2_with_different_work_per_rank_equals_ep1(moe_dirs, tmp
         assert runs["ep2"] == runs["ep1"], name
 
 
-def test_rl_features_whose_generation_calls_differ_per_rank_are_refused_at_ep2():
-    from align_pipeline.config import ReinforceConfig
-    from align_pipeline.config.checks import check_job_layout
-
-    section = ReinforceConfig()
-    section.dynamic_sampling.enabled = True
-    with pytest.raises(ConfigError, match=r"params:<stage>.dynamic_sampling.enabled is not supported with "
-                                          r"params:parallel.expert_model_parallel_size=2"):
-        check_job_layout("reinforce", section, ParallelConfig(expert_model_parallel_size=2), 2)
-    check_job_layout("reinforce", section, ParallelConfig(), 2)  # EP=1: fine
-    section = ReinforceConfig()
-    section.env.name = "align_pipeline.envs.builtin:Calculator"
-    with pytest.raises(ConfigError, match=r"params:<stage>.env.name is not supported with"):
-        check_job_layout("reinforce", section, ParallelConfig(expert_model_parallel_size=2), 2)
-
-
-def test_lora_on_moe_adapts_attention_and_dpo_takes_the_adapters_off_reference(sft_data, tmp_path):
+def test_lora_on_moe_adapts_attention_and_dpo_takes_the_adapters_off_reference(sft_data, moe_base, tmp_path):
     """LoRA SFT at EP=2 from an MoE base: adapters on attention only (the routed experts keep their weights), the
     held-out loss falls below the base's; DPO with LoRA at EP=2 and the reference being the policy with its adapters
     off starts at ln 2 (policy == reference)."""
     import math
 
-    from jobs import make_pref_data, run_dpo
+    from jobs import run_dpo
 
     from align_pipeline.model.hf_export import CheckpointTensors
 
     lora = {"rank": 4, "alpha": 8.0}
-    base = run_sft(sft_job(sft_data, tmp_path / "base", model={"moe": MoEConfig(**MOE)}))
+    base = moe_base["base"]
     adapted = run_sft(sft_job(sft_data, tmp_path / "lora", init_from=base["model_dir"], lora=lora,
                               parallel={"expert_model_parallel_size": 2}), nproc=2)
     names = sorted(CheckpointTensors(Path(adapted["model_dir"]) / "adapters").shapes)
     assert names and all(".self_attention.linear_" in n for n in names), names
     assert adapted["val_loss"] < base["val_loss"]
 
-    pref = make_pref_data(tmp_path / "pref", sft_data["tokenizer"])
-    dpo = run_dpo(pref, sft_data["tokenizer"], base["model_dir"], tmp_path / "dpo", nproc=2, lora=lora,
+    dpo = run_dpo(moe_base["pref"], sft_data["tokenizer"], base["model_dir"], tmp_path / "dpo", nproc=2, lora=lora,
                   reference="online", parallel={"expert_model_parallel_size": 2})
     assert "adapters off" in (tmp_path / "dpo" / "logs" / "rank0.log").read_text()
     assert abs(dpo["history"][0]["loss"] - math.log(2)) < 1e-6
@@ -286,18 +280,16 @@ def test_cli_import_at_ep2_with_check(moe_dirs, tmp_path):
     assert summary["family"] == "mixtral" and summary["ep"] == 2 and summary["max_abs_logit_diff"] <= 1e-4
 
 
-def test_reward_model_at_ep2_equals_ep1_and_ppo_at_ep2_equals_ep1(sft_data, tmp_path):
+def test_reward_model_at_ep2_equals_ep1_and_ppo_at_ep2_equals_ep1(moe_base, tmp_path):
     """The two stages the other MoE tests leave out. An MoE policy (SFT at EP=1) -> an MoE reward model at EP=1 and
     at EP=2: the same losses and validation figures. PPO from that policy and reward model (actor, critic, reference
     and reward model all MoE, generation included) on two ranks at EP=1 (DP=2) and at EP=2 (DP=2, the experts
     split): the same per-iteration metrics and the same trained actor."""
-    from jobs import make_pref_data, make_prompts, run_rm
+    from jobs import run_rm
     from rl_jobs import deterministic, max_diff, outputs_of, ppo_job, run
 
     model = dataclasses.replace(TINY_MODEL, moe=MoEConfig(**MOE))
-    base = run_sft(sft_job(sft_data, tmp_path / "base", model={"moe": MoEConfig(**MOE)}))
-    pref = make_pref_data(tmp_path / "pref", sft_data["tokenizer"])
-    rms = {ep: run_rm(pref, sft_data["tokenizer"], base["model_dir"], tmp_path / f"rm_ep{ep}", model=model,
+    rms = {ep: run_rm(moe_base["pref"], moe_base["tokenizer"], moe_base["base"]["model_dir"], tmp_path / f"rm_ep{ep}", model=model,
                       parallel=ParallelConfig(expert_model_parallel_size=ep), nproc=ep) for ep in (1, 2)}
     np.testing.assert_allclose(losses(rms[2]), losses(rms[1]), atol=2e-5, rtol=0)
     assert rms[2]["train_metrics"]["moe/aux_loss"] == pytest.approx(rms[1]["train_metrics"]["moe/aux_loss"], abs=2e-5)
@@ -310,8 +302,8 @@ def test_reward_model_at_ep2_equals_ep1_and_ppo_at_ep2_equals_ep1(sft_data, tmp_
     shift = val["val_reward_chosen"][1] - val["val_reward_chosen"][0]
     assert abs(shift) < 1e-3 and abs(val["val_reward_rejected"][1] - val["val_reward_rejected"][0] - shift) < 2e-5, val
 
-    models = {"tokenizer": sft_data["tokenizer"], "prompts": make_prompts(tmp_path / "prompts", sft_data["tokenizer"]),
-              "sft": base["model_dir"], "rm": rms[1]["model_dir"]}
+    models = {"tokenizer": moe_base["tokenizer"], "prompts": moe_base["prompts"],
+              "sft": moe_base["base"]["model_dir"], "rm": rms[1]["model_dir"]}
     ppo = {ep: run("ppo", ppo_job(models, tmp_path / f"ppo_ep{ep}", model=model,
                                   parallel=ParallelConfig(expert_model_parallel_size=ep)), nproc=2) for ep in (1, 2)}
     for a, b in zip(deterministic(ppo[1]["history"]), deterministic(ppo[2]["history"]), strict=True):
@@ -320,3 +312,41 @@ def test_reward_model_at_ep2_equals_ep1_and_ppo_at_ep2_equals_ep1(sft_data, tmp_
             assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-4), (k, a[k], b[k])
     assert {"train/moe/aux_loss", "critic/moe/aux_loss", "critic/moe/expert_3/load"} <= ppo[2]["history"][-1].keys()
     assert max_diff(outputs_of(ppo[1]["actor_dir"], tmp_path / "o1"), outputs_of(ppo[2]["actor_dir"], tmp_path / "o2")) < 1e-4
+
+
+def test_reinforce_with_dynamic_sampling_and_multi_turn_episodes_at_ep2_equals_ep1(moe_base, tmp_path):
+    """The two loops in which each rank makes its own number of generation calls: dynamic sampling (half the groups
+    without signal: a rank runs rounds until it has its groups) and multi-turn episodes (Nudge: 1 to 3 turns by
+    prompt). At EP=2 a rank whose rounds or episodes are done takes part in its peer's forwards; both runs on two
+    ranks at EP=2 give the metrics of EP=1 (DP=2). (Without that, the episodes' run at EP=2 hung: checked.)"""
+    from rl_jobs import deterministic, reinforce_job, rl_section, run
+
+    from align_pipeline.config import DynamicSamplingConfig, EnvConfig, KLConfig, RewardConfig, RewardFunctionConfig
+
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS / "train"), str(TESTS / "envs"), os.environ.get("PYTHONPATH", "")])}
+    model = dataclasses.replace(TINY_MODEL, moe=MoEConfig(**MOE))
+    models = {"tokenizer": moe_base["tokenizer"], "prompts": moe_base["prompts"], "sft": moe_base["base"]["model_dir"]}
+    jobs = {
+        "dynamic": lambda ep: reinforce_job(
+            models, tmp_path / f"dynamic_ep{ep}", iterations=1, model=model,
+            rl=dataclasses.replace(rl_section(1)["rl"], seed=19),  # rank 0 needs 4 rounds, rank 1 one
+            reward=RewardConfig(reward_model_weight=0.0,
+                                functions=[RewardFunctionConfig(name="group_reward:half_without_signal")]),
+            dynamic_sampling=DynamicSamplingConfig(enabled=True, max_rounds=6)),
+        "episodes": lambda ep: reinforce_job(
+            models, tmp_path / f"episodes_ep{ep}", iterations=1, model=model,
+            reward=RewardConfig(reward_model_weight=0.0, functions=[]), kl=KLConfig(estimator="k3", beta=0.0),
+            env=EnvConfig(name="toy_envs:Nudge", workers=2, step_timeout_s=20.0, max_turns=3,
+                          config={"turns_mod": 3})),
+    }
+    for name, job in jobs.items():
+        one, two = (run("reinforce", dataclasses.replace(job(ep), parallel=ParallelConfig(
+            expert_model_parallel_size=ep)), nproc=2, env=env)["history"] for ep in (1, 2))
+        for a, b in zip(deterministic(one), deterministic(two), strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-4), (name, k, a[k], b[k])
+        if name == "dynamic":
+            assert one[-1]["rollout/dynamic_sampling/rounds"] == 2.5  # the mean of the ranks' 4 and 1
+        else:  # episodes of 1 to 3 turns, some cut short (no stop token within 8 new tokens)
+            assert 1.0 < one[-1]["env/turns"] < 3.0

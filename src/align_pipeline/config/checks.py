@@ -351,14 +351,6 @@ def check_job_layout(
         )
     elif stage in RL_STAGES:
         check_rollout_split(section, dp, names.section, dp_desc)
-        ep = parallel.expert_model_parallel_size
-        dynamic = getattr(section, "dynamic_sampling", None)
-        for key, on in (("env.name", getattr(getattr(section, "env", None), "name", None) is not None),
-                        ("dynamic_sampling.enabled", dynamic is not None and dynamic.enabled)):
-            if on and ep > 1:  # each rank's number of generate calls is its own: EP ranks could not keep in step
-                raise ConfigError(f"{names.section}.{key} is not supported with {names.parallel}."
-                                  f"expert_model_parallel_size={ep} (expert-parallel ranks generate in step, and "
-                                  "there each rank makes its own number of generation calls); use EP=1")
     return dp
 
 

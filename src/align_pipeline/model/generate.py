@@ -183,6 +183,31 @@ def generate(
     return gen
 
 
+def expert_peers_generating(model, generating: bool) -> bool:
+    """Whether any rank of this rank's expert-parallel group has prompts for a generation call (``generating``: this
+    rank has). Loops whose number of :func:`generate` calls differs per rank (the turns of multi-turn episodes) go
+    on while this is true, and a rank without prompts calls :func:`match_expert_peers` instead. Dense models and
+    EP=1: ``generating``, without communication."""
+    gpt = unwrap(model)
+    lockstep = _ExpertLockstep.of(gpt)
+    if lockstep is None:
+        return generating
+    return lockstep.round(gpt, int(generating), dummies=False) > 0
+
+
+def match_expert_peers(model) -> None:
+    """Take part in a :func:`generate` call the other ranks of this rank's expert-parallel group make while this
+    one has no prompts: run dummy forwards against theirs until they are done (each MoE layer's all-to-all needs
+    every rank of the group). A no-op for dense models and at EP=1."""
+    gpt = unwrap(model)
+    lockstep = _ExpertLockstep.of(gpt)
+    if lockstep is None:
+        return
+    with _inference_mode(model, gpt):
+        while lockstep.round(gpt, 0):
+            pass
+
+
 def decode_slots(model, rows: int, length: int, kv_cache_gib: float) -> int:
     """Rows of ``length`` columns the KV cache holds at once: ``rows``, or as many as fit ``kv_cache_gib`` GiB
     (0 = no bound); a budget too small for one row is an error."""
@@ -476,13 +501,13 @@ class _ExpertLockstep:
             return None
         return cls(gpt.pg_collection.ep, [layer for layer in gpt.decoder.layers if hasattr(layer.mlp, "router")])
 
-    def round(self, gpt, forwards: int) -> int:
+    def round(self, gpt, forwards: int, dummies: bool = True) -> int:
         """Agree on a round in which this rank runs ``forwards`` forwards of its own: run the dummy forwards it lacks
         against the most any rank of the group runs (how forwards pair up across ranks does not matter, only their
-        number), and return that most (0: every rank is done)."""
+        number), and return that most (0: every rank is done). ``dummies=False``: only agree (no forwards)."""
         most = torch.tensor([forwards], dtype=torch.long, device=next(gpt.parameters()).device)
         tdist.all_reduce(most, op=tdist.ReduceOp.MAX, group=self.group)
-        for _ in range(int(most.item()) - forwards):
+        for _ in range(int(most.item()) - forwards if dummies else 0):
             self.dummy_forward()
         return int(most.item())
 

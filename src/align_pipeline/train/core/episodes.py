@@ -30,7 +30,7 @@ from align_pipeline.config.common import EnvConfig, GenerationConfig
 from align_pipeline.data.chat import ChatTemplateError
 from align_pipeline.data.schemas import message_segments
 from align_pipeline.envs.base import EnvError
-from align_pipeline.model.generate import generate
+from align_pipeline.model.generate import expert_peers_generating, generate, match_expert_peers
 from align_pipeline.train.core.batches import to_rows
 from align_pipeline.train.core.distributed import Dist
 
@@ -191,8 +191,11 @@ def run_episodes(policy, records: list[dict[str, Any]], gen: GenerationConfig, e
             if cap < 1:
                 episodes[i].done = episodes[i].truncated = True
         live = [i for i, cap in caps.items() if cap >= 1]
-        if not live:
+        if not expert_peers_generating(policy, bool(live)):
             break
+        if not live:  # an expert-parallel peer's episodes go on: its forwards need this rank's
+            match_expert_peers(policy)
+            continue
         g = generate(policy, [episodes[i].ids for i in live], max_new_tokens=max(caps[i] for i in live),
                      eos_id=tok.stop_ids, pad_id=tok.pad_id, vocab_size=vocab_size, temperature=gen.temperature,
                      top_k=gen.top_k, top_p=gen.top_p, greedy=greedy, seed=turn_seed(seed, turn),

@@ -24,6 +24,7 @@ from align_pipeline.data.formats import load_jsonl
 from align_pipeline.data.tokenizer import load_tokenizer
 from align_pipeline.model import init
 from align_pipeline.model.checkpoint import reward_pooling
+from align_pipeline.model.generate import expert_peers_generating
 from align_pipeline.model.sequences import rewards_forward
 from align_pipeline.rewards.base import RewardFunctions
 from align_pipeline.rewards.check import check_records
@@ -135,7 +136,9 @@ class RLStage:
         generated and scored until this rank has its ``prompts_per_iteration / DP`` groups with signal or
         ``max_rounds`` rounds ran; then dropped groups fill what is missing. The groups keep their order of
         sampling, so the kept groups of the first round are the rollout the stage would have without it. Counts in
-        :attr:`sampling` (``rollout/dynamic_sampling/*``)."""
+        :attr:`sampling` (``rollout/dynamic_sampling/*``). With expert parallelism every rank of an EP group runs
+        as many rounds as the one that needs most (each round's forwards exchange tokens across the group); the
+        rounds a rank did not need are left out of its rollout and counts, so it samples what it would at EP=1."""
         dist, gen = self.dist, self.gen
         dynamic = getattr(self.cfg, "dynamic_sampling", None)
         rounds = dynamic.max_rounds if dynamic is not None and dynamic.enabled else 1
@@ -143,6 +146,7 @@ class RLStage:
         kept: list[tuple[int, int]] = []  # (round, group) with signal
         dropped: list[tuple[int, int]] = []
         parts: list[tuple[rollout.Rollout, rollout.Scores]] = []
+        needed = None  # the rounds this rank needed for its groups with signal
         for round_ in range(rounds):
             records = self.prompts.local(iteration) if round_ == 0 else self.prompts.extra(iteration, round_)
             offload.frozen_to("cpu")  # (a no-op before the first round)
@@ -172,8 +176,13 @@ class RLStage:
             flat = groups_without_signal(scores.total.view(-1, gen.samples_per_prompt)).tolist()  # [P]
             kept += [(round_, g) for g, none in enumerate(flat) if not none]
             dropped += [(round_, g) for g, none in enumerate(flat) if none]
-            if len(kept) >= want:
+            if needed is None and len(kept) >= want:
+                needed = round_ + 1
+            if not expert_peers_generating(actor.model, needed is None):
                 break
+        needed = needed or len(parts)
+        parts = parts[:needed]
+        kept, dropped = [k for k in kept if k[0] < needed], [d for d in dropped if d[0] < needed]
         chosen = sorted(kept[:want] + dropped[: max(0, want - len(kept))])  # sampling order
         n = gen.samples_per_prompt
         picked = [(parts[k][0].take(idx), parts[k][1].take(idx)) for k in range(len(parts))
