@@ -12,7 +12,7 @@ def _tiny(model_type: str, **overrides):
     import transformers
 
     name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe",
-            "mixtral": "Mixtral"}[model_type]
+            "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}[model_type]
     config_cls, model_cls = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
     kwargs = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
@@ -54,13 +54,17 @@ def tiny_family_models() -> dict:
 def tiny_moe_models() -> dict:
     """{name: transformers model} of the MoE families: Qwen3-MoE (4 experts, top 2, renormalised, QK norm, head_dim 32,
     the last of 4 layers dense through ``mlp_only_layers``), Qwen3-MoE without ``norm_topk_prob`` (the chosen
-    experts' probabilities as the softmax over all gives them), Mixtral (4 experts, top 2, every layer MoE). The
-    router weights are scaled up so that tokens spread over the experts (a near-uniform router ties)."""
+    experts' probabilities as the softmax over all gives them), Qwen2-MoE (the same layout without QK norm, with QKV
+    biases and a gated shared expert of width 40, not renormalised as its default is), Mixtral (4 experts, top 2,
+    every layer MoE). The router weights are scaled up so that tokens spread over the experts (a near-uniform router
+    ties)."""
     qwen = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 32,
             "num_hidden_layers": 4, "mlp_only_layers": [3], "decoder_sparse_step": 1}
     models = {
         "qwen3_moe": _tiny("qwen3_moe", norm_topk_prob=True, **qwen),
         "qwen3_moe_unnormalised": _tiny("qwen3_moe", norm_topk_prob=False, **qwen),
+        "qwen2_moe": _tiny("qwen2_moe", norm_topk_prob=False, shared_expert_intermediate_size=40,
+                           **{k: v for k, v in qwen.items() if k != "head_dim"}),
         "mixtral": _tiny("mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
     }
     torch.manual_seed(1)

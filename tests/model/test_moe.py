@@ -81,7 +81,7 @@ def test_logits_equal_transformers_at_ep2_and_tp2_x_ep2(moe_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("name,layout", [("qwen3_moe", (2, 1, 2)), ("qwen3_moe_unnormalised", (1, 2, 2)),
-                                         ("mixtral", (1, 1, 2))])
+                                         ("qwen2_moe", (2, 1, 2)), ("mixtral", (1, 1, 2))])
 def test_import_then_export_gives_the_source_tensors_and_config(moe_dirs, tmp_path, name, layout):
     from safetensors.torch import load_file
 
@@ -92,9 +92,11 @@ def test_import_then_export_gives_the_source_tensors_and_config(moe_dirs, tmp_pa
     source = Path(dirs[name])
     tp, pp, ep = layout
     result = import_hf(source, tmp_path / "ckpt", tp=tp, pp=pp, ep=ep, seq_length=32)
-    assert result["model"]["hf_family"] == ("mixtral" if name == "mixtral" else "qwen3_moe")
+    family = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}.get(name, "qwen3_moe")
+    assert result["model"]["hf_family"] == family
     summary = export_hf(tmp_path / "ckpt", tmp_path / "out")
-    assert summary["architecture"] == ("MixtralForCausalLM" if name == "mixtral" else "Qwen3MoeForCausalLM")
+    assert summary["architecture"] == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}.get(
+        name, "Qwen3MoeForCausalLM")
     theirs, ours = load_file(str(source / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(ours) == sorted(theirs)
     for key in theirs:
@@ -102,7 +104,8 @@ def test_import_then_export_gives_the_source_tensors_and_config(moe_dirs, tmp_pa
     src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (source, tmp_path / "out"))
     for key in ("model_type", "architectures", "num_experts", "num_local_experts", "num_experts_per_tok",
                 "moe_intermediate_size", "intermediate_size", "mlp_only_layers", "norm_topk_prob",
-                "decoder_sparse_step", "rope_parameters", "num_key_value_heads", "rms_norm_eps"):
+                "decoder_sparse_step", "rope_parameters", "num_key_value_heads", "rms_norm_eps",
+                "shared_expert_intermediate_size", "qkv_bias"):
         assert out_cfg.get(key) == src_cfg.get(key), key
 
 
@@ -117,6 +120,11 @@ def test_config_mapping(moe_dirs):
     mixtral, _ = model_config_from_hf(dirs["mixtral"], ModelConfig(seq_length=32))
     assert mixtral.moe == MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=48)
     assert not mixtral.qk_layernorm and mixtral.hf_family == "mixtral"
+    qwen2, _ = model_config_from_hf(dirs["qwen2_moe"], ModelConfig(seq_length=32))
+    assert qwen2.moe == MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=48, layers=[1, 1, 1, 0],
+                                  router_pre_softmax=True, shared_expert_ffn_hidden_size=40, shared_expert_gate=True)
+    assert qwen2.add_qkv_bias and not qwen2.add_bias_linear and not qwen2.qk_layernorm
+    assert qwen2.hf_family == "qwen2_moe" and qwen2.kv_channels is None
 
 
 def _edited(src: str, dst: Path, **changes) -> str:
@@ -133,6 +141,8 @@ def _edited(src: str, dst: Path, **changes) -> str:
     ("qwen3_moe", {"mlp_only_layers": [0, 1, 2, 3]}, "leave no MoE layer"),
     ("qwen3_moe", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 is not in [1, 4]"),
     ("qwen3_moe", {"output_router_logits": True, "router_aux_loss_coef": 0.02}, None),
+    ("qwen2_moe", {"shared_expert_intermediate_size": None}, "required field 'shared_expert_intermediate_size'"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size=0"),
 ])
 def test_config_refusals_and_the_aux_loss(moe_dirs, tmp_path, name, changes, message):
     path = _edited(moe_dirs[0][name], tmp_path / "edited", **changes)
@@ -144,7 +154,10 @@ def test_config_refusals_and_the_aux_loss(moe_dirs, tmp_path, name, changes, mes
         model_config_from_hf(path, ModelConfig(seq_length=32))
 
 
-MOE = {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32, "aux_loss_coeff": 0.01}
+MOE = {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32, "aux_loss_coeff": 0.01,
+       "shared_expert_ffn_hidden_size": 24, "shared_expert_gate": True}
+"""The training tests' MoE layers: 4 routed experts, top 2, the aux loss on, a gated shared expert (Qwen2-MoE's
+layout, so the models export as qwen2_moe)."""
 
 
 def test_layout_checks_before_launch():
@@ -243,22 +256,42 @@ def test_generation_at_ep2_with_different_work_per_rank_equals_ep1(moe_dirs, tmp
 
 
 def test_lora_on_moe_adapts_attention_and_dpo_takes_the_adapters_off_reference(sft_data, moe_base, tmp_path):
-    """LoRA SFT at EP=2 from an MoE base: adapters on attention only (the routed experts keep their weights), the
-    held-out loss falls below the base's; DPO with LoRA at EP=2 and the reference being the policy with its adapters
-    off starts at ln 2 (policy == reference)."""
+    """LoRA SFT at EP=2 from an MoE base: adapters on attention and the shared experts, none on the routed experts
+    or the routers; the held-out loss falls below the base's. Its PEFT export loads (``peft``) onto the base's HF
+    export (Qwen2-MoE) and gives the logits of the merged export. DPO with LoRA at EP=2 and the reference being the
+    policy with its adapters off starts at ln 2 (policy == reference)."""
     import math
 
     from jobs import run_dpo
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
-    from align_pipeline.model.hf_export import CheckpointTensors
+    from align_pipeline.model.hf_export import CheckpointTensors, export_hf, export_peft
 
     lora = {"rank": 4, "alpha": 8.0}
     base = moe_base["base"]
     adapted = run_sft(sft_job(sft_data, tmp_path / "lora", init_from=base["model_dir"], lora=lora,
                               parallel={"expert_model_parallel_size": 2}), nproc=2)
     names = sorted(CheckpointTensors(Path(adapted["model_dir"]) / "adapters").shapes)
-    assert names and all(".self_attention.linear_" in n for n in names), names
+    assert names and all(".self_attention.linear_" in n or ".mlp.shared_experts.linear_" in n for n in names), names
+    assert any(".shared_experts." in n for n in names) and not any(".experts.experts." in n for n in names)
     assert adapted["val_loss"] < base["val_loss"]
+
+    assert export_hf(base["model_dir"], tmp_path / "base_hf")["architecture"] == "Qwen2MoeForCausalLM"
+    summary = export_peft(adapted["model_dir"], tmp_path / "peft", base_model=tmp_path / "base_hf")
+    assert sorted(summary["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                 "v_proj"]
+    export_hf(adapted["model_dir"], tmp_path / "merged_hf")
+    from align_pipeline.data.store import load_rows
+
+    tokens = torch.tensor(load_rows(sft_data["val"])["input_ids"][:2].tolist())
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+            tmp_path / "base_hf", dtype=torch.float32), tmp_path / "peft")(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged_hf", dtype=torch.float32)(tokens).logits
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base_hf", dtype=torch.float32)(tokens).logits
+    assert (peft_logits - merged).abs().max() < 1e-4
+    assert (plain - merged).abs().max() > 1e-3  # the adapters are applied, not ignored
 
     dpo = run_dpo(moe_base["pref"], sft_data["tokenizer"], base["model_dir"], tmp_path / "dpo", nproc=2, lora=lora,
                   reference="online", parallel={"expert_model_parallel_size": 2})
@@ -350,3 +383,25 @@ def test_reinforce_with_dynamic_sampling_and_multi_turn_episodes_at_ep2_equals_e
             assert one[-1]["rollout/dynamic_sampling/rounds"] == 2.5  # the mean of the ranks' 4 and 1
         else:  # episodes of 1 to 3 turns, some cut short (no stop token within 8 new tokens)
             assert 1.0 < one[-1]["env/turns"] < 3.0
+
+
+def test_export_family_of_an_moe_model_and_its_refusals():
+    from align_pipeline.model.hf_export import HFExportError, family_of
+
+    shared = MoEConfig(**MOE)
+    plain = MoEConfig(**{**MOE, "shared_expert_ffn_hidden_size": 0, "shared_expert_gate": False})
+    assert family_of(dataclasses.replace(TINY_MODEL, moe=shared)) == "qwen2_moe"
+    assert family_of(dataclasses.replace(TINY_MODEL, moe=shared, add_qkv_bias=True)) == "qwen2_moe"
+    assert family_of(dataclasses.replace(TINY_MODEL, moe=plain)) == "mixtral"
+    assert family_of(dataclasses.replace(TINY_MODEL, moe=plain, qk_layernorm=True)) == "qwen3_moe"
+    for model, message in (
+        (dataclasses.replace(TINY_MODEL, moe=shared, hf_family="qwen3_moe", qk_layernorm=True), "a shared expert"),
+        (dataclasses.replace(TINY_MODEL, moe=shared, hf_family="mixtral"), "a shared expert"),
+        (dataclasses.replace(TINY_MODEL, moe=plain, hf_family="qwen2_moe"), "no gated shared expert"),
+        (dataclasses.replace(TINY_MODEL, moe=shared, qk_layernorm=True, hf_family="qwen2_moe"), "qk_layernorm"),
+        (dataclasses.replace(TINY_MODEL, moe=plain, add_qkv_bias=True), "linear biases"),
+    ):
+        with pytest.raises(HFExportError, match=message):
+            family_of(model)
+    with pytest.raises(ConfigError, match="shared_expert_gate needs a shared expert"):
+        MoEConfig(**{**MOE, "shared_expert_ffn_hidden_size": 0}).validate()

@@ -51,7 +51,7 @@ GENERATING_STAGES: dict[str, str] = {
 }
 """Stages that need pipeline_model_parallel_size 1 (generation runs on whole models only), and why."""
 
-HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
 """The ``model_type`` values of an HF ``config.json`` that ``model.hf`` imports (and exports)."""
 
 SUPERVISED_STAGES = frozenset({"sft", "reward_model", "dpo"})
@@ -146,9 +146,9 @@ def hf_arch(path: str | Path, base: ModelConfig, label: str | None = None) -> Ar
         "seq_length": "params:model.seq_length",
     }
     moe = MoEConfig()
-    if cfg.get("model_type") in ("qwen3_moe", "mixtral"):  # the experts' layout (model.hf reads the rest)
+    if cfg.get("model_type") in ("qwen3_moe", "qwen2_moe", "mixtral"):  # the experts' layout (model.hf: the rest)
         experts_key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
-        width_key = "moe_intermediate_size" if cfg.get("model_type") == "qwen3_moe" else "intermediate_size"
+        width_key = "intermediate_size" if cfg.get("model_type") == "mixtral" else "moe_intermediate_size"
         try:
             moe = MoEConfig(num_experts=int(cfg[experts_key]), router_topk=int(cfg.get("num_experts_per_tok") or 1),
                             ffn_hidden_size=int(cfg[width_key]))

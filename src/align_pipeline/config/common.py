@@ -38,6 +38,12 @@ class MoEConfig:
     z_loss_coeff: float = 0.0
     """Router z-loss (ST-MoE: mean squared logsumexp of the router logits) times this; 0 = off (neither Qwen3-MoE nor
     Mixtral defines one)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """A shared expert in every MoE layer: a SwiGLU MLP of this inner width that every token goes through beside its
+    routed experts (Qwen2-MoE's ``shared_expert_intermediate_size``); 0 = none."""
+    shared_expert_gate: bool = False
+    """The shared expert's output times sigmoid(a learned [1, hidden] projection of the token) (Qwen2-MoE's
+    ``shared_expert_gate``); needs a shared expert."""
 
     def enabled(self) -> bool:
         return self.num_experts > 0
@@ -49,6 +55,10 @@ class MoEConfig:
     def validate(self, where: str = "model.moe", num_layers: int | None = None) -> None:
         require_at_least(self, where, 0, "num_experts")
         require_at_least(self, where, 1, "router_topk", "ffn_hidden_size")
+        require_at_least(self, where, 0, "shared_expert_ffn_hidden_size")
+        if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
+            raise ConfigError(f"{where}.shared_expert_gate needs a shared expert ({where}.shared_expert_ffn_hidden_size "
+                              "> 0)")
         for name in ("aux_loss_coeff", "z_loss_coeff"):
             require_range(self, where, name, 0)
         if not self.enabled():
@@ -132,7 +142,7 @@ class ModelConfig:
     max_position_embeddings: int | None = None
     """Context length of an imported model (HF ``max_position_embeddings``), written back on export; None =
     seq_length. Training uses seq_length."""
-    hf_family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"] | None = None
+    hf_family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"] | None = None
     """The Hugging Face family the model was imported from and is exported as; None = the family its architecture
     implies (QK norm: qwen3; QKV-only biases: qwen2; else llama)."""
     moe: MoEConfig = field(default_factory=MoEConfig)

@@ -145,6 +145,8 @@ def moe_config(model: ModelConfig, parallel: ParallelConfig) -> dict:
         "moe_router_load_balancing_type": balancing,
         "moe_aux_loss_coeff": moe.aux_loss_coeff,
         "moe_z_loss_coeff": moe.z_loss_coeff or None,
+        "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size or None,
+        "moe_shared_expert_gate": moe.shared_expert_gate,
         "moe_router_dtype": "fp32",
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": grouped,

@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Qwen2 / Qwen3 / Mistral model directories -> our Megatron-core GPT (architecture and weights, any TP/PP).
+"""Hugging Face Llama / Qwen2 / Qwen3 / Mistral (and Qwen3-MoE / Qwen2-MoE / Mixtral) model directories -> our Megatron-core GPT (architecture and weights, any TP/PP).
 
 :func:`model_config_from_hf` converts ``config.json`` to a :class:`~align_pipeline.config.ModelConfig`;
 :func:`load_hf_weights` fills one built pipeline stage (``build_gpt``) from ``*.safetensors`` (single or sharded with
@@ -102,7 +102,7 @@ def _sliding_window(cfg: dict[str, Any], model_type: str, seq_length: int, where
     """The window of sliding-window attention, if the model uses one. Within a window attention is full, so a model
     with a window of at least ``seq_length`` is reproduced exactly; a shorter window is refused."""
     window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         used = cfg.get("use_sliding_window", False) or "sliding_attention" in (cfg.get("layer_types") or [])
         window = window if used else None
     if window is None:
@@ -116,15 +116,16 @@ def _sliding_window(cfg: dict[str, Any], model_type: str, seq_length: int, where
 
 
 def _moe(cfg: dict[str, Any], model_type: str, layers: int, where: Path) -> MoEConfig:
-    """The MoE section of a Qwen3-MoE or Mixtral ``config.json`` (a dense family: none).
+    """The MoE section of a Qwen3-MoE, Qwen2-MoE or Mixtral ``config.json`` (a dense family: none).
 
     Qwen3-MoE: ``num_experts`` (transformers 5 writes ``num_local_experts``) of ``moe_intermediate_size``, top
     ``num_experts_per_tok``; layer i is MoE unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``
     (those are dense MLPs of ``intermediate_size``); ``norm_topk_prob`` renormalises the chosen experts'
-    probabilities. Mixtral: ``num_local_experts`` of ``intermediate_size`` in every layer, always renormalised. Both:
-    the load-balancing loss with ``router_aux_loss_coef`` when ``output_router_logits`` (HF trains with it only
-    then)."""
-    if model_type not in ("qwen3_moe", "mixtral"):
+    probabilities. Qwen2-MoE: the same, plus a shared expert of ``shared_expert_intermediate_size`` in every MoE
+    layer, gated by sigmoid(``shared_expert_gate``). Mixtral: ``num_local_experts`` of ``intermediate_size`` in
+    every layer, always renormalised. All: the load-balancing loss with ``router_aux_loss_coef`` when
+    ``output_router_logits`` (HF trains with it only then)."""
+    if model_type not in ("qwen3_moe", "qwen2_moe", "mixtral"):
         return MoEConfig()
 
     def need(*keys: str) -> Any:
@@ -156,12 +157,17 @@ def _moe(cfg: dict[str, Any], model_type: str, layers: int, where: Path) -> MoEC
     if not 1 <= topk <= experts:
         raise HFConversionError(f"{where}: num_experts_per_tok={topk} is not in [1, {experts}]")
     aux = float(cfg.get("router_aux_loss_coef") or 0.0) if cfg.get("output_router_logits") else 0.0
+    shared = int(need("shared_expert_intermediate_size")) if model_type == "qwen2_moe" else 0
+    if model_type == "qwen2_moe" and shared < 1:
+        raise HFConversionError(f"{where}: shared_expert_intermediate_size={shared}: Qwen2-MoE's shared expert needs "
+                                "a width of at least 1")
     return MoEConfig(num_experts=experts, router_topk=topk, ffn_hidden_size=ffn, layers=pattern,
-                     router_pre_softmax=not normalised, aux_loss_coeff=aux)
+                     router_pre_softmax=not normalised, aux_loss_coeff=aux, shared_expert_ffn_hidden_size=shared,
+                     shared_expert_gate=model_type == "qwen2_moe")
 
 
 def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConfig, int]:
-    """Our :class:`ModelConfig` for the HF Llama / Qwen2 / Qwen3 / Mistral model in ``path``, and its vocabulary size.
+    """Our :class:`ModelConfig` for the HF Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Qwen2-MoE / Mixtral model in ``path``, and its vocabulary size.
 
     Architecture comes from ``config.json``; run-time choices come from ``base``: ``seq_length`` (the training length
     is ours to choose), ``attention_backend``, ``make_vocab_size_divisible_by`` and the dropouts.
@@ -199,6 +205,8 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConf
         add_qkv_bias, add_bias_linear = True, False
     elif model_type in ("mistral", "mixtral"):
         add_qkv_bias, add_bias_linear = False, False
+    elif model_type == "qwen2_moe":  # biases on q, k and v (qkv_bias, true unless a config says otherwise)
+        add_qkv_bias, add_bias_linear = bool(cfg.get("qkv_bias", True)), False
     elif model_type == "qwen3_moe":
         if cfg.get("attention_bias"):
             raise HFConversionError(f"{where}: attention_bias=true is not supported for qwen3_moe (our MoE GPT has "
@@ -215,7 +223,7 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConf
 
     vocab = int(need("vocab_size"))
     moe = _moe(cfg, model_type, layers, where)
-    dense_ffn = cfg.get("intermediate_size") if model_type == "qwen3_moe" else need("intermediate_size")
+    dense_ffn = cfg.get("intermediate_size") if model_type in ("qwen3_moe", "qwen2_moe") else need("intermediate_size")
     model = ModelConfig(
         num_layers=layers,
         hidden_size=hidden,
@@ -345,8 +353,8 @@ def is_moe_layer(config, i: int) -> bool:
 
 
 class MoENames:
-    """HF names of one MoE layer's router and experts: Qwen3-MoE (``mlp.gate``, ``mlp.experts.E.{gate,up,down}_proj``)
-    or Mixtral (``block_sparse_moe.gate``, ``block_sparse_moe.experts.E.{w1,w3,w2}``: gate, up, down). transformers 5
+    """HF names of one MoE layer's router and experts: Qwen3-MoE and Qwen2-MoE (``mlp.gate``,
+    ``mlp.experts.E.{gate,up,down}_proj``; Qwen2-MoE's shared expert ``mlp.shared_expert.*``) or Mixtral (``block_sparse_moe.gate``, ``block_sparse_moe.experts.E.{w1,w3,w2}``: gate, up, down). transformers 5
     holds the experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2F, H] with the gate rows first,
     ``mlp.experts.down_proj`` [E, H, F]) and writes them per expert; a directory with the fused form reads too."""
 
@@ -362,6 +370,12 @@ class MoENames:
     def expert(self, pre: str, e: int, part: int) -> str:
         """``part``: 0 gate, 1 up, 2 down."""
         return f"{pre}{self.block}.experts.{e}.{self.parts[part]}.weight"
+
+    @staticmethod
+    def shared(pre: str, gate: bool) -> tuple[str, ...]:
+        """Qwen2-MoE's shared expert: gate, up and down projections (and the sigmoid gate's weight)."""
+        return (*(f"{pre}mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")),
+                *((f"{pre}mlp.shared_expert_gate.weight",) if gate else ()))
 
     @staticmethod
     def fused(pre: str) -> tuple[str, str]:
@@ -388,6 +402,8 @@ def expected_hf_keys(config, tied: bool, family: str | None = None,
             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight")}
         if is_moe_layer(config, i):
             required |= moe.keys(pre, config.num_moe_experts, present or set())
+            if config.moe_shared_expert_intermediate_size:
+                required |= set(moe.shared(pre, config.moe_shared_expert_gate))
         else:
             required |= {pre + n for n in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
         if config.qk_layernorm:
@@ -502,10 +518,23 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
     def expert_fc2(pre: str, j: int) -> torch.Tensor:
         return _rows(expert_weight(pre, j, 2), etp_rank, etp_size, dim=1)
 
+    def shared_fc1(pre: str) -> torch.Tensor:
+        width = config.moe_shared_expert_intermediate_size
+        gate, up, _ = moe.shared(pre, False)
+        return torch.cat([_rows(get(gate, (width, hidden)), tp_rank, tp_size),
+                          _rows(get(up, (width, hidden)), tp_rank, tp_size)])
+
     def expert_source(pre: str, rest: str) -> Callable[[], torch.Tensor] | None:
         m = _EXPERT.match(rest)
         if rest == "mlp.router.weight":
             return lambda: get(moe.router(pre), (experts, hidden))
+        if rest == "mlp.shared_experts.linear_fc1.weight":
+            return lambda: shared_fc1(pre)
+        if rest == "mlp.shared_experts.linear_fc2.weight":
+            return lambda: _rows(get(moe.shared(pre, False)[2], (hidden, config.moe_shared_expert_intermediate_size)),
+                                 tp_rank, tp_size, dim=1)
+        if rest == "mlp.shared_experts.gate_weight":
+            return lambda: get(moe.shared(pre, True)[3], (1, hidden))
         # Grouped experts (model.moe's GroupedMLP): each local expert's fc1 / fc2 transposed, one after the other
         if rest == "mlp.experts.weight1":
             return lambda: torch.stack([expert_fc1(pre, j).t() for j in range(local_experts)]).reshape(hidden, -1)

@@ -94,6 +94,13 @@ class CheckpointTensors:
     def has(self, name: str) -> bool:
         return name in self.shapes or name in self._per_layer
 
+    def has_layer(self, name: str, i: int) -> bool:
+        """Whether layer ``i`` has the ``decoder.layers.*`` tensor ``name`` (an MoE model's MoE and dense layers
+        differ)."""
+        if name in self.shapes:
+            return True
+        return name.replace("decoder.layers.", f"decoder.layers.{i}.", 1) in self.shapes
+
     def read(self, *names: str) -> dict[str, torch.Tensor]:
         """Whole tensors (through ``torch.distributed.checkpoint``)."""
         import torch.distributed.checkpoint as dcp
@@ -189,9 +196,10 @@ def open_tensors(checkpoint: str | os.PathLike):
     return MergedCheckpointTensors(checkpoint, inner, meta) if inner is not None else None
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe",
-                "mixtral": "Mixtral"}
+                "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}
 
 
 def family_of(model: ModelConfig) -> str:
@@ -211,7 +219,7 @@ def family_of(model: ModelConfig) -> str:
     if model.moe.enabled():
         return _moe_family(model)
     family = model.hf_family or ("qwen3" if model.qk_layernorm else "qwen2" if qkv_only_bias else "llama")
-    if family in ("qwen3_moe", "mixtral"):
+    if family in MOE_FAMILIES:
         raise HFExportError(f"model.hf_family={family!r} is a mixture-of-experts family but model.moe.num_experts is 0")
     needs = {  # family -> (QK norm, QKV-only biases, biases on every linear layer allowed)
         "llama": (False, False, True), "qwen2": (False, True, False), "qwen3": (True, False, True),
@@ -226,19 +234,29 @@ def family_of(model: ModelConfig) -> str:
 
 
 def _moe_family(model: ModelConfig) -> str:
-    """An MoE model's family: its ``hf_family``, else Qwen3-MoE with QK norm and Mixtral without. Mixtral has no
-    dense layers, no QK norm and always renormalises the chosen experts' weights; Qwen3-MoE always has QK norm."""
+    """An MoE model's family: its ``hf_family``, else Qwen3-MoE with QK norm, Qwen2-MoE with a shared expert and
+    Mixtral otherwise. Mixtral has no dense layers, no QK norm, no shared expert and always renormalises the chosen
+    experts' weights; Qwen3-MoE always has QK norm and no shared expert; Qwen2-MoE has no QK norm and always a
+    gated shared expert; only Qwen2-MoE has (QKV) biases."""
     moe = model.moe
-    family = model.hf_family or ("qwen3_moe" if model.qk_layernorm else "mixtral")
+    shared = moe.shared_expert_ffn_hidden_size > 0
+    family = model.hf_family or ("qwen3_moe" if model.qk_layernorm else "qwen2_moe" if shared else "mixtral")
     problems = []
-    if family not in ("qwen3_moe", "mixtral"):
+    if family not in MOE_FAMILIES:
         problems.append(f"model.hf_family={family!r} has no experts")
-    if model.add_bias_linear or model.add_qkv_bias:
+    if model.add_bias_linear or (model.add_qkv_bias and family != "qwen2_moe"):
         problems.append("linear biases")
-    if family == "mixtral" and model.qk_layernorm:
-        problems.append("qk_layernorm (Mixtral has none)")
+    if family in ("mixtral", "qwen2_moe") and model.qk_layernorm:
+        problems.append(f"qk_layernorm ({CLASS_PREFIX.get(family, family)} has none)")
     if family == "qwen3_moe" and not model.qk_layernorm:
         problems.append("no qk_layernorm (Qwen3-MoE always has it)")
+    if family == "qwen2_moe" and not (shared and moe.shared_expert_gate):
+        problems.append("no gated shared expert (moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate: every "
+                        "Qwen2-MoE layer has one)")
+    if family != "qwen2_moe" and shared:
+        problems.append("a shared expert (moe.shared_expert_ffn_hidden_size)")
+    if family == "qwen2_moe" and rope.head_dim(model) * model.num_attention_heads != model.hidden_size:
+        problems.append(f"kv_channels={model.kv_channels} (Qwen2-MoE's head width is hidden / heads)")
     if family == "mixtral" and moe.layers is not None and not all(moe.layers):
         problems.append(f"dense layers (moe.layers={moe.layers}; every Mixtral layer is MoE)")
     if family == "mixtral" and moe.router_pre_softmax:
@@ -257,9 +275,13 @@ def _moe_config_kwargs(model: ModelConfig, family: str) -> dict[str, Any]:
         return {**common, "num_local_experts": moe.num_experts, "intermediate_size": expert_ffn,
                 "router_jitter_noise": 0.0}
     dense = [i for i in range(model.num_layers) if not moe.layer_is_moe(i)]
-    return {**common, "num_experts": moe.num_experts, "moe_intermediate_size": expert_ffn,
-            "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size, "decoder_sparse_step": 1,
-            "mlp_only_layers": dense, "norm_topk_prob": not moe.router_pre_softmax}
+    kwargs = {**common, "num_experts": moe.num_experts, "moe_intermediate_size": expert_ffn,
+              "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size, "decoder_sparse_step": 1,
+              "mlp_only_layers": dense, "norm_topk_prob": not moe.router_pre_softmax}
+    if family == "qwen2_moe":
+        kwargs |= {"shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size,
+                   "qkv_bias": model.add_qkv_bias}
+    return kwargs
 
 
 def _rope_parameters(model: ModelConfig) -> dict[str, Any]:
@@ -297,18 +319,18 @@ def hf_config(model: ModelConfig, vocab_size: int, dtype: torch.dtype, tokens: d
     )
     if num_labels is not None:
         kwargs["num_labels"] = num_labels
-    if family != "qwen2":  # Qwen2's head width is always hidden / heads (family_of checks)
+    if family not in ("qwen2", "qwen2_moe"):  # Qwen2's head width is always hidden / heads (family_of checks)
         kwargs["head_dim"] = rope.head_dim(model)
     if family == "llama":
         kwargs |= {"attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear}
     elif family in ("qwen3", "qwen3_moe"):
         kwargs |= {"attention_bias": model.add_bias_linear, "use_sliding_window": False,
                    "sliding_window": model.sliding_window}
-    elif family == "qwen2":
+    elif family in ("qwen2", "qwen2_moe"):
         kwargs |= {"use_sliding_window": False, "sliding_window": model.sliding_window}
     else:
         kwargs |= {"sliding_window": model.sliding_window}
-    if family in ("qwen3_moe", "mixtral"):
+    if family in MOE_FAMILIES:
         kwargs |= _moe_config_kwargs(model, family)
     return getattr(transformers, f"{CLASS_PREFIX[family]}Config")(**kwargs)
 
@@ -422,7 +444,8 @@ def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int,
 def _expert_tensors(layer: Callable[[str, int], torch.Tensor], model: ModelConfig,
                     i: int) -> list[tuple[str, tuple[int, ...], Producer]]:
     """MoE layer ``i``'s router and experts, per expert as the family's checkpoints name them (:class:`MoENames`):
-    every expert's gate and up (one read of the layer's stacked fc1), then every expert's down (one of fc2)."""
+    every expert's gate and up (one read of the layer's stacked fc1), then every expert's down (one of fc2), then
+    the shared expert (Qwen2-MoE)."""
     from align_pipeline.model.hf import MoENames
 
     hidden, experts = model.hidden_size, model.moe.num_experts
@@ -435,6 +458,15 @@ def _expert_tensors(layer: Callable[[str, int], torch.Tensor], model: ModelConfi
              for e in range(experts) for part in (0, 1)]
     plan += [(names.expert(pre, e, 2), (hidden, ffn), lambda e=e: layer(fc2, i)[e])
              for e in range(experts)]
+    shared = model.moe.shared_expert_ffn_hidden_size
+    if shared:
+        gate, up, down, *gated = names.shared(pre, model.moe.shared_expert_gate)
+        shared_fc1 = "decoder.layers.mlp.shared_experts.linear_fc1.weight"
+        plan += [(name, (shared, hidden), lambda part=part: layer(shared_fc1, i).chunk(2, dim=0)[part].contiguous())
+                 for part, name in enumerate((gate, up))]
+        plan.append((down, (hidden, shared), lambda: layer("decoder.layers.mlp.shared_experts.linear_fc2.weight", i)))
+        plan += [(name, (1, hidden), lambda: layer("decoder.layers.mlp.shared_experts.gate_weight", i))
+                 for name in gated]
     return plan
 
 
@@ -662,12 +694,18 @@ def export_peft(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     ckpt = CheckpointTensors(checkpoint / adapters["adapters"])
     tensors: dict[str, torch.Tensor] = {}
     targets = []
-    for ours, (block, theirs) in PEFT_MODULES.items():
-        name = f"decoder.layers.{'self_attention' if block == 'self_attn' else 'mlp'}.{ours}"
+    # (our module, HF module): dense MLPs and attention; an MoE layer's shared expert (Qwen2-MoE)
+    blocks = [(f"decoder.layers.{'self_attention' if block == 'self_attn' else 'mlp'}.{ours}", ours, block, theirs)
+              for ours, (block, theirs) in PEFT_MODULES.items()]
+    blocks += [(f"decoder.layers.mlp.shared_experts.{ours}", ours, "mlp.shared_expert", theirs)
+               for ours, (block, theirs) in PEFT_MODULES.items() if block == "mlp"]
+    for name, ours, block, theirs in blocks:
         if not ckpt.has(f"{name}.lora_A"):
             continue
-        targets += theirs
+        targets += [t for t in theirs if t not in targets]
         for i in range(model.num_layers):
+            if not ckpt.has_layer(f"{name}.lora_A", i):
+                continue  # an MoE layer has no dense MLP (and a dense layer no shared expert)
             a, b = ckpt.layer(f"{name}.lora_A", i), ckpt.layer(f"{name}.lora_B", i)
             parts = split_qkv(b, model) if ours == "linear_qkv" else b.chunk(2) if ours == "linear_fc1" else [b]
             for module, b_part in zip(theirs, parts):
