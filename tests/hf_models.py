@@ -74,3 +74,28 @@ def tiny_moe_models() -> dict:
                 if name.endswith("gate.weight") and p.shape[0] == 4:
                     p.mul_(4.0)
     return models
+
+
+def demo_hf_tokenizer(path, raw=None, added: tuple[str, ...] = (), chat_template: bool = True):
+    """A character tokenizer that covers the raw data (``raw``, default the demo's ``data/01_raw``), trained with
+    ``tokenizers`` and saved to ``path`` as a ``transformers`` fast tokenizer with ``added`` special tokens on top
+    and (``chat_template``) a plain chat template; returns it."""
+    from pathlib import Path
+
+    from transformers import PreTrainedTokenizerFast
+
+    from align_pipeline.data.schemas import read_raw_jsonl, record_texts
+    from align_pipeline.data.tokenizer import train_tokenizer
+
+    raw = Path(raw) if raw is not None else Path(__file__).resolve().parents[1] / "data" / "01_raw"
+    texts = [t for kind in ("sft", "preference", "prompts")
+             for rec in read_raw_jsonl(raw / f"{kind}.jsonl", kind).records for t in record_texts(rec)]
+    ours = train_tokenizer(texts)
+    tok = PreTrainedTokenizerFast(tokenizer_object=ours.tokenizer, bos_token=ours.id_to_token(ours.bos_id),
+                                  eos_token=ours.id_to_token(ours.eos_id), pad_token=ours.id_to_token(ours.pad_id))
+    if added:
+        tok.add_special_tokens({"additional_special_tokens": list(added)})
+    if chat_template:
+        tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tok.save_pretrained(str(path))
+    return tok

@@ -50,21 +50,9 @@ needs_difficulty.required_fields = ("difficulty",)
 def _hf_tokenizer(path: Path, raw: Path, added: tuple[str, ...] = ()) -> int:
     """An HF tokenizer (character level, trained on the raw data, saved by transformers) in ``path``, with ``added``
     special tokens on top; returns its size without them."""
-    from transformers import PreTrainedTokenizerFast
+    from hf_models import demo_hf_tokenizer
 
-    from align_pipeline.data.schemas import read_raw_jsonl, record_texts
-    from align_pipeline.data.tokenizer import train_tokenizer
-
-    texts = [t for kind in ("sft", "preference", "prompts")
-             for rec in read_raw_jsonl(raw / f"{kind}.jsonl", kind).records for t in record_texts(rec)]
-    ours = train_tokenizer(texts)
-    tok = PreTrainedTokenizerFast(tokenizer_object=ours.tokenizer, bos_token=ours.id_to_token(ours.bos_id),
-                                  eos_token=ours.id_to_token(ours.eos_id), pad_token=ours.id_to_token(ours.pad_id))
-    size = len(tok)
-    if added:
-        tok.add_special_tokens({"additional_special_tokens": list(added)})
-    tok.save_pretrained(str(path))
-    return size
+    return len(demo_hf_tokenizer(path, raw, added, chat_template=False)) - len(added)
 
 
 def _config(path: Path, **fields) -> Path:

@@ -11,7 +11,6 @@ import pytest
 import yaml
 from projects import copy_project, enter_project, run_kedro
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 STAGE = {"training": {"train_steps": 4, "global_batch_size": 8, "micro_batch_size": 4, "log_interval": 1,
@@ -25,19 +24,10 @@ def _qwen3_moe_dir(path: Path) -> None:
     """A tiny Qwen3-MoE (4 experts, top 2, the last of 2 layers dense) with a tokenizer that covers the demo data and a
     chat template, made here with `transformers` / `tokenizers`."""
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from hf_models import demo_hf_tokenizer
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from align_pipeline.data.schemas import read_raw_jsonl, record_texts
-    from align_pipeline.data.tokenizer import train_tokenizer
-
-    raw = REPO / "data" / "01_raw"
-    texts = [t for kind in ("sft", "preference", "prompts")
-             for rec in read_raw_jsonl(raw / f"{kind}.jsonl", kind).records for t in record_texts(rec)]
-    ours = train_tokenizer(texts)
-    tok = PreTrainedTokenizerFast(tokenizer_object=ours.tokenizer, bos_token=ours.id_to_token(ours.bos_id),
-                                  eos_token=ours.id_to_token(ours.eos_id), pad_token=ours.id_to_token(ours.pad_id))
-    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    tok.save_pretrained(str(path))
+    tok = demo_hf_tokenizer(path)
     torch.manual_seed(0)
     config = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
                             num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], num_hidden_layers=2,

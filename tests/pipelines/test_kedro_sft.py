@@ -13,7 +13,6 @@ import pytest
 import yaml
 from projects import copy_project, enter_project, run_kedro
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 FAST = {
@@ -251,20 +250,10 @@ def _llama32_style_hf_dir(path: Path) -> None:
     """A tiny Llama-3.2-style HF model (llama3 RoPE scaling, tied embeddings) with a character tokenizer that covers
     the demo data and a chat template, made here with `transformers` / `tokenizers` (nothing downloaded)."""
     import torch
-    from hf_models import LLAMA3_ROPE
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from hf_models import LLAMA3_ROPE, demo_hf_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from align_pipeline.data.schemas import read_raw_jsonl, record_texts
-    from align_pipeline.data.tokenizer import train_tokenizer
-
-    raw = REPO / "data" / "01_raw"
-    texts = [t for kind in ("sft", "preference", "prompts")
-             for rec in read_raw_jsonl(raw / f"{kind}.jsonl", kind).records for t in record_texts(rec)]
-    ours = train_tokenizer(texts)
-    tok = PreTrainedTokenizerFast(tokenizer_object=ours.tokenizer, bos_token=ours.id_to_token(ours.bos_id),
-                                  eos_token=ours.id_to_token(ours.eos_id), pad_token=ours.id_to_token(ours.pad_id))
-    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    tok.save_pretrained(str(path))
+    tok = demo_hf_tokenizer(path)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
