@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import sft_scaling  # benchmarks/ is on the path (above)
-from train_kernels import Variant, run_hf, run_ours
+from train_kernels import Variant, add_run_args, run_hf, run_ours
 
 MOE_PRESETS: dict[str, dict[str, int]] = {
     "moe_tiny": {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -109,17 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="parallel.moe_grouped_gemm settings of our runs (on: torch's grouped matmul; off: a GEMM "
                    "pair per expert)")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="leave out the HF transformers peer")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=4, help="steps left out of tokens/s")
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--micro-batch", type=int, default=4, help="HF's micro-batch (ours: per variant)")
-    p.add_argument("--eval-samples", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--peak-tflops", type=float, default=989.0)
-    p.add_argument("--fp32", action="store_true", help="ours in fp32 on a GPU too")
-    p.add_argument("--profile", action="store_true", help="kernel profile of step 8 (GPU only)")
-    p.add_argument("--out", required=True)
+    add_run_args(p, steps=12, warmup=4, global_batch=16, eval_samples=16)
     return p.parse_args(argv)
 
 

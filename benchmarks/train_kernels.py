@@ -384,19 +384,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf", nargs="*", default=["eager", "compile"],
                    help="HF variants: eager | compile | compile-recompute (GPU only)")
     p.add_argument("--micro", action="store_true", help="per-operation micro-benchmarks (GPU only)")
+    add_run_args(p, steps=30, warmup=5, global_batch=32, eval_samples=32)
+    p.add_argument("--loss-tol", type=float, default=5e-2, help="max abs loss difference vs the first variant")
+    return p.parse_args(argv)
+
+
+def add_run_args(p: argparse.ArgumentParser, steps: int, warmup: int, global_batch: int, eval_samples: int) -> None:
+    """The run flags of the SFT benchmarks that run our job beside HF's (this one and ``moe_sft.py``): steps,
+    batches, optimizer, seed, the peak for MFU, precision, profiling and the output directory."""
     p.add_argument("--profile", action="store_true", help="kernel profile of step 8 of every run (GPU only)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
-    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=warmup, help="steps left out of tokens/s")
+    p.add_argument("--global-batch", type=int, default=global_batch)
     p.add_argument("--micro-batch", type=int, default=4, help="HF's micro-batch (ours: per variant)")
-    p.add_argument("--eval-samples", type=int, default=32)
+    p.add_argument("--eval-samples", type=int, default=eval_samples)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--loss-tol", type=float, default=5e-2, help="max abs loss difference vs the first variant")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--fp32", action="store_true", help="ours in fp32 on a GPU too (exactness checks; bf16 default)")
     p.add_argument("--out", required=True)
-    return p.parse_args(argv)
 
 
 if __name__ == "__main__":
