@@ -9,7 +9,8 @@ Qwen3-MoE implementation on the same GPU, same random weights, same data and bat
   per ``--ours`` variant ``kernels:recompute:micro_batch`` (as ``benchmarks/train_kernels.py``) and ``--grouped``
   setting (``parallel.moe_grouped_gemm``: grouped expert GEMMs on or off).
 * HF: ``Qwen3MoeForCausalLM`` from the same directory, pure bf16, SDPA, fused AdamW, the same masked token loss
-  (``train_kernels.hf_worker``); transformers picks its own experts kernel.
+  (``train_kernels.hf_worker``); transformers picks its own experts kernel. A second HF row with Liger-Kernel's
+  Qwen3-MoE patches (RoPE, RMSNorm, experts' SwiGLU, fused linear cross-entropy) when ``liger_kernel`` imports.
 * MFU counts 6 x *active* parameters + 12 L H S FLOPs per token against ``--peak-tflops``.
 
 Writes ``<out>/moe.json`` and ``<out>/moe.md``.
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for v in args.ours for grouped in args.grouped]
     if on_gpu and args.hf:
         rows_out.append(run_hf(False, False, args.micro_batch, args, data, hf_dir, out))
+        rows_out.append(run_hf(False, False, args.micro_batch, args, data, hf_dir, out, liger=True))
     for r in rows_out:
         if "tokens_per_s" in r:
             r["mfu"] = r["tokens_per_s"] * fpt / (args.peak_tflops * 1e12)

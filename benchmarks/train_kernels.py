@@ -125,9 +125,10 @@ def run_ours(variant: Variant, args, data, hf_dir: str, out: Path, bf16: bool,
 
 
 # ------------------------------------------------------------------------------------------------------------------- HF
-def run_hf(compiled: bool, recompute: bool, micro_batch: int, args, data, hf_dir: str, out: Path) -> dict[str, Any]:
-    name = f"hf{'-compile' if compiled else ''}{'-recompute' if recompute else ''}:{micro_batch}"
-    cfg = {"hf_dir": hf_dir, "train": data["train"], "compile": compiled, "recompute": recompute,
+def run_hf(compiled: bool, recompute: bool, micro_batch: int, args, data, hf_dir: str, out: Path,
+           liger: bool = False) -> dict[str, Any]:
+    name = f"hf{'-liger' if liger else ''}{'-compile' if compiled else ''}{'-recompute' if recompute else ''}:{micro_batch}"
+    cfg = {"hf_dir": hf_dir, "train": data["train"], "compile": compiled, "recompute": recompute, "liger": liger,
            "micro_batch": micro_batch, "global_batch": args.global_batch, "steps": args.steps, "lr": args.lr,
            "seed": args.seed, "result": str(out / "runs" / f"{name.replace(':', '_')}.json"), "profile": args.profile}
     Path(cfg["result"]).parent.mkdir(parents=True, exist_ok=True)
@@ -149,7 +150,10 @@ def run_hf(compiled: bool, recompute: bool, micro_batch: int, args, data, hf_dir
 
 
 def hf_worker(cfg: dict[str, Any]) -> None:
-    """One HF training run (own process): pure bf16 weights, fused AdamW, the SFT job's masked token loss."""
+    """One HF training run (own process): pure bf16 weights, fused AdamW, the SFT job's masked token loss. With
+    ``liger``: Liger-Kernel's patches for the model's family (RoPE, RMSNorm, SwiGLU / experts, and the fused linear
+    cross-entropy that never materialises the logits), the loss through the model's own ``forward`` as a TRL user
+    gets it (``shift_labels``: our labels are already shifted; summed over the step's loss tokens)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
@@ -157,6 +161,10 @@ def hf_worker(cfg: dict[str, Any]) -> None:
     torch.manual_seed(cfg["seed"])
     device = torch.device("cuda")
     model = AutoModelForCausalLM.from_pretrained(cfg["hf_dir"], dtype=torch.bfloat16, attn_implementation="sdpa")
+    if cfg.get("liger"):
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
     model.to(device).train()
     model.config.use_cache = False
     if cfg["recompute"]:
@@ -170,7 +178,11 @@ def hf_worker(cfg: dict[str, Any]) -> None:
         nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
         return (nll * m.flatten()).sum()
 
-    loss_fn = torch.compile(masked_nll) if cfg["compile"] else masked_nll
+    def liger_nll(x, y, m):  # the fused linear cross-entropy: a sum over the loss tokens (ignore_index -100)
+        return model(input_ids=x, shift_labels=torch.where(m > 0, y, -100), num_items_in_batch=1).loss
+
+    loss_fn = liger_nll if cfg.get("liger") else masked_nll
+    loss_fn = torch.compile(loss_fn) if cfg["compile"] else loss_fn
     mb, gb = cfg["micro_batch"], cfg["global_batch"]
     times, losses, profile = [], [], None
     for step in range(cfg["steps"]):
@@ -317,7 +329,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if on_gpu:
         for spec in args.hf:
             compiled, recompute = "compile" in spec, "recompute" in spec
-            rows.append(run_hf(compiled, recompute, args.micro_batch, args, data, hf_dir, out))
+            rows.append(run_hf(compiled, recompute, args.micro_batch, args, data, hf_dir, out, liger="liger" in spec))
 
     ok = [r for r in rows if "tokens_per_s" in r]
     for r in ok:
@@ -382,7 +394,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ours", nargs="+", default=["eager:none:4", "fused:none:4", "fused:full:4"],
                    help="kernels:recompute:micro_batch variants of our SFT job; the first is the loss reference")
     p.add_argument("--hf", nargs="*", default=["eager", "compile"],
-                   help="HF variants: eager | compile | compile-recompute (GPU only)")
+                   help="HF variants: eager | compile | compile-recompute | liger | liger-recompute (GPU only; liger: "
+                   "Liger-Kernel's patches, the peer TRL users switch on with one flag)")
     p.add_argument("--micro", action="store_true", help="per-operation micro-benchmarks (GPU only)")
     add_run_args(p, steps=30, warmup=5, global_batch=32, eval_samples=32)
     p.add_argument("--loss-tol", type=float, default=5e-2, help="max abs loss difference vs the first variant")

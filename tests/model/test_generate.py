@@ -108,7 +108,7 @@ def _cases(tok, batch: list[int]) -> tuple[list[dict], list[dict]]:
          "record_finished": True},
         {"name": "rows_of_3_chunks", "kwargs": sample, "rows": batch, "eos_from": ["sample", [0, 3], 2],
          "chunks": 3},
-        # Past 256 columns a step attends over a wider span of the cache (256, then 512): the same tokens as the
+        # Past 256 columns a step attends over a wider span of the cache (256, then 384): the same tokens as the
         # reference path, also with rows refilled at column 0 while others are past 256.
         {"name": "long", "kwargs": {**greedy, "max_new_tokens": 300}, "rows": batch[:4]},
         {"name": "long_refill", "kwargs": {**sample, "max_new_tokens": 300}, "rows": batch[:5], "kv_rows": 2},
@@ -286,7 +286,7 @@ def test_max_rows_gives_the_samples_of_static_batches_of_that_size(tp1):
 
 
 def test_steps_past_256_columns_attend_over_a_wider_span(tp1):
-    """300 new tokens: the decode steps attend over the first 256 cache columns, then 512 (DecodeEngine.spans); the
+    """300 new tokens: the decode steps attend over the first 256 cache columns, then 384 (DecodeEngine.spans); the
     tokens are those of the full-recompute reference, also when a KV budget of 2 rows refills a row at its first
     columns while the other is past column 256."""
     for name in ("long", "long_refill"):
