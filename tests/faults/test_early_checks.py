@@ -156,7 +156,7 @@ def test_unsupported_model_type_is_refused_before_data_prep(prepared, model_type
     AutoConfig.for_model(model_type, vocab_size=prepared["tokens"]).save_pretrained(str(other))  # as transformers writes it
     message = _refused(prepared, {"sft": {"init_from": str(other)}}, "data_prep", "sft")
     assert message == (f"model_type '{model_type}' in {other}/config.json (params:sft.init_from) is not supported "
-                       "(supported: llama, qwen2, qwen3, mistral, qwen3_moe, qwen2_moe, mixtral)")
+                       "(supported: llama, qwen2, qwen3, mistral, qwen3_moe, qwen2_moe, mixtral, deepseek_v3)")
 
 
 def test_tokenizer_with_added_tokens_beyond_the_embeddings_is_refused_before_data_prep(prepared):
@@ -223,6 +223,6 @@ def test_kedro_run_ends_with_the_one_line_and_exit_code_2(prepared):
     out = done.stdout + done.stderr
     assert done.returncode == 2, out
     line = (f"model_type 'gpt2' in {other}/config.json (params:sft.init_from) is not supported (supported: llama, "
-            "qwen2, qwen3, mistral, qwen3_moe, qwen2_moe, mixtral)")
+            "qwen2, qwen3, mistral, qwen3_moe, qwen2_moe, mixtral, deepseek_v3)")
     assert out.count(line) == 1 and "Traceback" not in out, out
     assert _outputs(root) == before

@@ -2,7 +2,7 @@
 budget, so expert-parallel ranks run different numbers of forwards) from an HF model directory at some layout.
 
     {"run_dir": ..., "hf_dir": ..., "parallel": {...}, "work": [{"prompts": [[...]], "max_new_tokens": n,
-     "max_rows": r}, ...] (one entry per rank; a world of one runs every entry in turn)}
+     "max_rows": r, "use_cache": true}, ...] (one entry per rank; a world of one runs every entry in turn)}
       ->  run_dir/result.json {"tokens": [[tokens of each prompt] per entry]}
 """
 
@@ -32,7 +32,8 @@ def main() -> None:
     results = []
     for entry in entries:
         gen = generate(model, entry["prompts"], max_new_tokens=entry["max_new_tokens"], eos_id=None, pad_id=0,
-                       vocab_size=source.vocab_size, greedy=True, max_rows=entry["max_rows"])
+                       vocab_size=source.vocab_size, greedy=True, max_rows=entry["max_rows"],
+                       use_cache=entry.get("use_cache", True))
         results.append(gen.tokens)
     gathered = [None] * dist.world_size
     tdist.all_gather_object(gathered, results)

@@ -20,7 +20,7 @@ from jobs import TINY_MODEL, losses, make_sft_data, run_sft, sft_job
 from align_pipeline.config import LaunchConfig, ModelConfig, ParallelConfig
 from align_pipeline.config.base import ConfigError
 from align_pipeline.config.checks import Arch, check_model_parallel, check_world
-from align_pipeline.config.common import MoEConfig
+from align_pipeline.config.common import MLAConfig, MoEConfig
 from align_pipeline.launch import run_torchrun
 from align_pipeline.model.hf import HFConversionError, model_config_from_hf
 
@@ -81,7 +81,8 @@ def test_logits_equal_transformers_at_ep2_and_tp2_x_ep2(moe_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("name,layout", [("qwen3_moe", (2, 1, 2)), ("qwen3_moe_unnormalised", (1, 2, 2)),
-                                         ("qwen2_moe", (2, 1, 2)), ("mixtral", (1, 1, 2))])
+                                         ("qwen2_moe", (2, 1, 2)), ("mixtral", (1, 1, 2)), ("deepseek_v3", (2, 1, 2)),
+                                         ("deepseek_v3_q_proj", (1, 1, 2))])
 def test_import_then_export_gives_the_source_tensors_and_config(moe_dirs, tmp_path, name, layout):
     from safetensors.torch import load_file
 
@@ -92,11 +93,11 @@ def test_import_then_export_gives_the_source_tensors_and_config(moe_dirs, tmp_pa
     source = Path(dirs[name])
     tp, pp, ep = layout
     result = import_hf(source, tmp_path / "ckpt", tp=tp, pp=pp, ep=ep, seq_length=32)
-    family = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}.get(name, "qwen3_moe")
+    family = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}.get(name, name[:11] if "deepseek" in name else "qwen3_moe")
     assert result["model"]["hf_family"] == family
     summary = export_hf(tmp_path / "ckpt", tmp_path / "out")
-    assert summary["architecture"] == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}.get(
-        name, "Qwen3MoeForCausalLM")
+    assert summary["architecture"] == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                                       "deepseek_v3": "DeepseekV3ForCausalLM"}.get(family, "Qwen3MoeForCausalLM")
     theirs, ours = load_file(str(source / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(ours) == sorted(theirs)
     for key in theirs:
@@ -105,7 +106,9 @@ def test_import_then_export_gives_the_source_tensors_and_config(moe_dirs, tmp_pa
     for key in ("model_type", "architectures", "num_experts", "num_local_experts", "num_experts_per_tok",
                 "moe_intermediate_size", "intermediate_size", "mlp_only_layers", "norm_topk_prob",
                 "decoder_sparse_step", "rope_parameters", "num_key_value_heads", "rms_norm_eps",
-                "shared_expert_intermediate_size", "qkv_bias"):
+                "shared_expert_intermediate_size", "qkv_bias", "n_routed_experts", "n_shared_experts", "n_group",
+                "topk_group", "first_k_dense_replace", "routed_scaling_factor", "q_lora_rank", "kv_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave"):
         assert out_cfg.get(key) == src_cfg.get(key), key
 
 
@@ -125,6 +128,17 @@ def test_config_mapping(moe_dirs):
                                   router_pre_softmax=True, shared_expert_ffn_hidden_size=40, shared_expert_gate=True)
     assert qwen2.add_qkv_bias and not qwen2.add_bias_linear and not qwen2.qk_layernorm
     assert qwen2.hf_family == "qwen2_moe" and qwen2.kv_channels is None
+    deepseek, _ = model_config_from_hf(dirs["deepseek_v3"], ModelConfig(seq_length=32))
+    assert deepseek.moe == MoEConfig(num_experts=8, router_topk=2, ffn_hidden_size=32, layers=[0, 1, 1],
+                                     shared_expert_ffn_hidden_size=32, router_score_function="sigmoid",
+                                     router_expert_bias=True, router_num_groups=2, router_group_topk=1,
+                                     router_topk_scaling_factor=2.5)
+    assert deepseek.mla == MLAConfig(kv_lora_rank=16, q_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+                                     v_head_dim=16)
+    assert (deepseek.rope_scaling, deepseek.rope_scaling_factor, deepseek.rope_original_max_position,
+            deepseek.yarn_mscale, deepseek.yarn_mscale_all_dim) == ("yarn", 4.0, 16, 1.0, 1.0)
+    plain, _ = model_config_from_hf(dirs["deepseek_v3_q_proj"], ModelConfig(seq_length=32))
+    assert plain.mla.q_lora_rank == 0 and plain.rope_scaling == "none" and plain.ffn_hidden_size == 96
 
 
 def _edited(src: str, dst: Path, **changes) -> str:
@@ -143,6 +157,11 @@ def _edited(src: str, dst: Path, **changes) -> str:
     ("qwen3_moe", {"output_router_logits": True, "router_aux_loss_coef": 0.02}, None),
     ("qwen2_moe", {"shared_expert_intermediate_size": None}, "required field 'shared_expert_intermediate_size'"),
     ("qwen2_moe", {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size=0"),
+    ("deepseek_v3", {"rope_interleave": False}, "rope_interleave=false is not supported"),
+    ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=false is not supported"),
+    ("deepseek_v3", {"topk_group": 2}, "n_group=2, topk_group=2 with num_experts_per_tok=2 is not supported"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "is not supported: dequantize it"),
+    ("deepseek_v3", {"first_k_dense_replace": 3}, "first_k_dense_replace=3 leaves no MoE layer"),
 ])
 def test_config_refusals_and_the_aux_loss(moe_dirs, tmp_path, name, changes, message):
     path = _edited(moe_dirs[0][name], tmp_path / "edited", **changes)
@@ -175,6 +194,12 @@ def test_layout_checks_before_launch():
             **{**MOE, "ffn_hidden_size": 30}))), ParallelConfig(expert_tensor_parallel_size=4))
     with pytest.raises(ConfigError, match="world size 6 is not divisible by params:parallel.expert_model_parallel_size=4"):
         check_world(ParallelConfig(expert_model_parallel_size=4), 6)
+    mla = Arch(ModelConfig(num_layers=2, seq_length=48, moe=MoEConfig(**MOE), mla=MLAConfig(
+        kv_lora_rank=14, q_lora_rank=32, qk_pos_emb_head_dim=8)))
+    check_model_parallel(mla, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=4 does not divide params:model.mla.kv_lora_rank"
+                                          r"=14 \+ params:model.mla.qk_pos_emb_head_dim=8"):
+        check_model_parallel(mla, ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True))
     with pytest.raises(ConfigError, match=r"moe.layers has 3 entries for model.num_layers=2"):
         ModelConfig(num_layers=2, moe=MoEConfig(**MOE, layers=[1, 0, 1])).validate()
 
@@ -232,6 +257,89 @@ def test_sft_at_ep2_equals_ep1_and_resumes_bit_exact(sft_data, tmp_path):
     assert losses(resumed) == losses(ep2)[3:] and resumed["val_loss"] == ep2["val_loss"]  # bit-exact
 
 
+DEEPSEEK_MODEL = {
+    "moe": MoEConfig(num_experts=8, router_topk=2, ffn_hidden_size=32, layers=[0, 1], shared_expert_ffn_hidden_size=32,
+                     router_score_function="sigmoid", router_expert_bias=True, router_expert_bias_update_rate=0.05,
+                     router_num_groups=2, router_group_topk=1, router_topk_scaling_factor=2.5),
+    "mla": MLAConfig(kv_lora_rank=16, q_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16),
+    "rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_position": 16, "yarn_mscale": 1.0,
+    "yarn_mscale_all_dim": 1.0}
+"""DeepSeek-V3's layout in small: multi-head latent attention with YaRN, the first layer dense, 8 experts in 2 groups
+(a token may use 1), top 2 by sigmoid score plus a routing bias that moves towards balance after every step
+(aux-loss-free balancing), scaled by 2.5, a shared expert."""
+
+
+def test_deepseek_v3_sft_at_ep2_and_tp2_x_ep2_equals_ep1_and_resumes_bit_exact(sft_data, tmp_path):
+    """A random-init DeepSeek-V3-shaped model: SFT at EP=2 and TP=2 x EP=2 (sequence parallel) gives EP=1's losses;
+    the routing bias moves after each step (the losses differ from a run with the bias frozen) by the tokens every
+    rank routed (so EP=2 equals EP=1 with it); stop after 3 steps and resume: bit-exact, the bias included."""
+    ep1 = run_sft(sft_job(sft_data, tmp_path / "ep1", model=DEEPSEEK_MODEL))
+    frozen_moe = dataclasses.replace(DEEPSEEK_MODEL["moe"], router_expert_bias_update_rate=0.0)
+    frozen = run_sft(sft_job(sft_data, tmp_path / "frozen", model=DEEPSEEK_MODEL | {"moe": frozen_moe}))
+    assert losses(frozen)[0] == losses(ep1)[0] and max(abs(a - b) for a, b in zip(losses(frozen), losses(ep1))) > 1e-4
+    ep2 = run_sft(sft_job(sft_data, tmp_path / "ep2", model=DEEPSEEK_MODEL,
+                          parallel={"expert_model_parallel_size": 2}), nproc=2)
+    tp2_ep2 = run_sft(sft_job(sft_data, tmp_path / "tp2_ep2", model=DEEPSEEK_MODEL, parallel={
+        "tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "sequence_parallel": True}), nproc=4)
+    for other in (ep2, tp2_ep2):
+        np.testing.assert_allclose(losses(other), losses(ep1), atol=2e-5, rtol=0)
+        assert abs(other["val_loss"] - ep1["val_loss"]) < 2e-5
+
+    run_dir = tmp_path / "interrupted"
+    first = run_sft(sft_job(sft_data, run_dir, model=DEEPSEEK_MODEL, parallel={"expert_model_parallel_size": 2},
+                            stop_after=3), nproc=2)
+    assert first["stopped_at_step"] == 3 and losses(first) == losses(ep2)[:3]
+    resumed = run_sft(sft_job(sft_data, run_dir, model=DEEPSEEK_MODEL, parallel={"expert_model_parallel_size": 2}),
+                      nproc=2)
+    assert losses(resumed) == losses(ep2)[3:] and resumed["val_loss"] == ep2["val_loss"]
+
+
+def test_deepseek_v3_lora_on_latent_attention_at_tp2_x_ep2_and_its_peft_export(sft_data, tmp_path):
+    """LoRA on a DeepSeek-V3-shaped model: adapters on multi-head latent attention's per-head linears (the query and
+    key/value up projections, the output projection) and the shared expert, none on the down projections, routed
+    experts or routers; TP=2 x EP=2 (sequence parallel) gives EP=1's losses. The base exports as DeepSeek-V3; the
+    merged model exports; attention adapters export as PEFT (``q_b_proj``, ``kv_b_proj``, ``o_proj``), which ``peft``
+    loads onto the base with the merged export's logits; MLP adapters are refused for PEFT (peft maps deepseek_v3's
+    gate/up/down projections onto the routed experts)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from align_pipeline.data.store import load_rows
+    from align_pipeline.model.hf_export import CheckpointTensors, HFExportError, export_hf, export_peft
+
+    base = run_sft(sft_job(sft_data, tmp_path / "base", model=DEEPSEEK_MODEL, training={"train_steps": 3}))
+    lora = {"rank": 4, "alpha": 8.0}
+    ep1 = run_sft(sft_job(sft_data, tmp_path / "lora_ep1", model=DEEPSEEK_MODEL, init_from=base["model_dir"],
+                          lora=lora))
+    adapted = run_sft(sft_job(sft_data, tmp_path / "lora", model=DEEPSEEK_MODEL, init_from=base["model_dir"],
+                              lora=lora, parallel={"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                                                   "sequence_parallel": True}), nproc=4)
+    np.testing.assert_allclose(losses(adapted), losses(ep1), atol=2e-5, rtol=0)
+    names = sorted(CheckpointTensors(Path(adapted["model_dir"]) / "adapters").shapes)
+    assert {n.split(".")[-2] for n in names} == {"linear_q_up_proj", "linear_kv_up_proj", "linear_proj", "linear_fc1",
+                                                "linear_fc2"}
+    assert not any(".experts.experts." in n or "router" in n for n in names)
+
+    assert export_hf(base["model_dir"], tmp_path / "base_hf")["architecture"] == "DeepseekV3ForCausalLM"
+    with pytest.raises(HFExportError, match="MLP adapters .* do not load into peft"):
+        export_peft(adapted["model_dir"], tmp_path / "peft_mlp", base_model=tmp_path / "base_hf")
+    attention = run_sft(sft_job(sft_data, tmp_path / "lora_attention", model=DEEPSEEK_MODEL,
+                                init_from=base["model_dir"], parallel={"expert_model_parallel_size": 2},
+                                lora=lora | {"target_modules": ["linear_qkv", "linear_proj"]}), nproc=2)
+    summary = export_peft(attention["model_dir"], tmp_path / "peft", base_model=tmp_path / "base_hf")
+    assert sorted(summary["target_modules"]) == ["kv_b_proj", "o_proj", "q_b_proj"]
+    export_hf(attention["model_dir"], tmp_path / "merged_hf")
+    export_hf(adapted["model_dir"], tmp_path / "merged_mlp_hf")  # the merged export takes every adapter
+    tokens = torch.tensor(load_rows(sft_data["val"])["input_ids"][:2].tolist())
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+            tmp_path / "base_hf", dtype=torch.float32), tmp_path / "peft")(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged_hf", dtype=torch.float32)(tokens).logits
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base_hf", dtype=torch.float32)(tokens).logits
+    assert (peft_logits - merged).abs().max() < 1e-4
+    assert (plain - merged).abs().max() > 1e-3
+
+
 def test_generation_at_ep2_with_different_work_per_rank_equals_ep1(moe_dirs, tmp_path):
     """Greedy generation with the KV cache: rank 0 has 2 short prompts and 3 new tokens, rank 1 has 5 prompts of
     other lengths, 9 new tokens and 2 slots (refills): at EP=2 the ranks run different numbers of forwards (the
@@ -253,6 +361,33 @@ def test_generation_at_ep2_with_different_work_per_rank_equals_ep1(moe_dirs, tmp
                                         run_dir, env=env)["tokens"]
         assert [len(t) for t in runs["ep2"][1]] == [9] * 5
         assert runs["ep2"] == runs["ep1"], name
+
+
+def test_deepseek_v3_greedy_generation_equals_transformers(moe_dirs, tmp_path):
+    """DeepSeek-V3 (MLA, YaRN, grouped sigmoid routing with its bias) generates greedily what transformers' own
+    ``generate`` does, token for token: with the KV cache (each layer's keys and values as MLA computes them, its
+    RoPE at every row's own cache column; 2 slots refilled as rows end), through the recompute path, and at EP=2
+    with different work per rank."""
+    from transformers import AutoModelForCausalLM
+
+    dirs, _ = moe_dirs
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 100, n).tolist() for n in (5, 9, 3)]
+    hf = AutoModelForCausalLM.from_pretrained(dirs["deepseek_v3"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS / "model"), os.environ.get("PYTHONPATH", "")])}
+    for name, rows, use_cache in (("cache", 2, True), ("nocache", 3, False)):
+        work = [{"prompts": prompts, "max_new_tokens": 8, "max_rows": rows, "use_cache": use_cache}]
+        ours = run_torchrun("moe_generate_worker", {"hf_dir": dirs["deepseek_v3"], "parallel": {}, "work": work},
+                            LaunchConfig(nproc_per_node=1), tmp_path / name, env=env)["tokens"][0]
+        assert ours == want, name
+    work = [{"prompts": prompts[:1], "max_new_tokens": 3, "max_rows": 1},
+            {"prompts": prompts[1:], "max_new_tokens": 8, "max_rows": 1}]
+    ep2 = run_torchrun("moe_generate_worker", {"hf_dir": dirs["deepseek_v3"], "parallel": {
+        "expert_model_parallel_size": 2}, "work": work}, LaunchConfig(nproc_per_node=2), tmp_path / "ep2", env=env)
+    assert ep2["tokens"] == [[want[0][:3]], want[1:]]
 
 
 def test_lora_on_moe_adapts_attention_and_dpo_takes_the_adapters_off_reference(sft_data, moe_base, tmp_path):

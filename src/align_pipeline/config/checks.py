@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from align_pipeline.config.base import ConfigError, from_dict
-from align_pipeline.config.common import ModelConfig, MoEConfig, ParallelConfig, ScoringConfig
+from align_pipeline.config.common import MLAConfig, ModelConfig, MoEConfig, ParallelConfig, ScoringConfig
 
 GENERATING_STAGES: dict[str, str] = {
     "ppo": "it generates rollouts",
@@ -51,7 +51,7 @@ GENERATING_STAGES: dict[str, str] = {
 }
 """Stages that need pipeline_model_parallel_size 1 (generation runs on whole models only), and why."""
 
-HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 """The ``model_type`` values of an HF ``config.json`` that ``model.hf`` imports (and exports)."""
 
 SUPERVISED_STAGES = frozenset({"sft", "reward_model", "dpo"})
@@ -146,8 +146,9 @@ def hf_arch(path: str | Path, base: ModelConfig, label: str | None = None) -> Ar
         "seq_length": "params:model.seq_length",
     }
     moe = MoEConfig()
-    if cfg.get("model_type") in ("qwen3_moe", "qwen2_moe", "mixtral"):  # the experts' layout (model.hf: the rest)
-        experts_key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    if cfg.get("model_type") in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"):  # the experts' layout
+        experts_key = next((k for k in ("num_experts", "n_routed_experts") if cfg.get(k) is not None),
+                           "num_local_experts")
         width_key = "intermediate_size" if cfg.get("model_type") == "mixtral" else "moe_intermediate_size"
         try:
             moe = MoEConfig(num_experts=int(cfg[experts_key]), router_topk=int(cfg.get("num_experts_per_tok") or 1),
@@ -155,6 +156,15 @@ def hf_arch(path: str | Path, base: ModelConfig, label: str | None = None) -> Ar
         except (KeyError, TypeError, ValueError):
             return None
         spelled |= {"moe.num_experts": f"{where}:{experts_key}", "moe.ffn_hidden_size": f"{where}:{width_key}"}
+    mla = MLAConfig()
+    if cfg.get("model_type") == "deepseek_v3":
+        try:
+            mla = MLAConfig(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+                            qk_pos_emb_head_dim=int(cfg["qk_rope_head_dim"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        spelled |= {"mla.kv_lora_rank": f"{where}:kv_lora_rank", "mla.q_lora_rank": f"{where}:q_lora_rank",
+                    "mla.qk_pos_emb_head_dim": f"{where}:qk_rope_head_dim"}
     model = dataclasses.replace(
         base,
         num_layers=layers,
@@ -162,6 +172,7 @@ def hf_arch(path: str | Path, base: ModelConfig, label: str | None = None) -> Ar
         num_query_groups=groups,
         vocab_size=vocab if isinstance(vocab, int) and vocab > 0 else None,
         moe=moe,
+        mla=mla,
     )
     return Arch(model, where, spelled, hf=True)
 
@@ -267,6 +278,13 @@ def check_model_parallel(arch: Arch, parallel: ParallelConfig, names: Names = Na
     if m.moe.enabled() and expert_ffn and expert_ffn % etp:
         raise ConfigError(f"expert TP {etp} ({p}.expert_tensor_parallel_size, default: TP) does not divide the "
                           f"experts' ffn_hidden_size={expert_ffn}")
+    mla = m.mla
+    for key, width in (("mla.q_lora_rank", mla.q_lora_rank),
+                       ("mla.kv_lora_rank", mla.kv_lora_rank + mla.qk_pos_emb_head_dim)):
+        if mla.enabled() and width % tp:  # the down projections are column-parallel: their outputs split by TP
+            extra = f" + {arch.show('mla.qk_pos_emb_head_dim')}" if key == "mla.kv_lora_rank" else ""
+            raise ConfigError(f"{p}.tensor_model_parallel_size={tp} does not divide {arch.show(key)}{extra} "
+                              "(multi-head latent attention's down projections are split over TP ranks)")
     if m.num_layers % pp:
         raise ConfigError(
             f"{p}.pipeline_model_parallel_size={pp} does not divide {arch.show('num_layers')} "

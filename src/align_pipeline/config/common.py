@@ -44,6 +44,22 @@ class MoEConfig:
     shared_expert_gate: bool = False
     """The shared expert's output times sigmoid(a learned [1, hidden] projection of the token) (Qwen2-MoE's
     ``shared_expert_gate``); needs a shared expert."""
+    router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """The router's scores: softmax over the experts' logits, or each logit's sigmoid (DeepSeek-V3; the chosen
+    experts' scores are then renormalised to sum to 1)."""
+    router_expert_bias: bool = False
+    """A per-expert bias added to the scores to *choose* the experts but not to weight them (DeepSeek-V3's
+    ``e_score_correction_bias``, auxiliary-loss-free balancing); sigmoid scores only."""
+    router_expert_bias_update_rate: float = 0.0
+    """After each optimizer step the bias moves by this much towards balance (+rate for an expert that got fewer
+    tokens than the mean, -rate for more; DeepSeek-V3 trained with 1e-3); 0 = the bias stays as loaded."""
+    router_num_groups: int = 0
+    """Group-limited routing (DeepSeek-V3's ``n_group``): the experts are split into this many groups and a token
+    chooses its experts within the ``router_group_topk`` best groups; 0 = no groups."""
+    router_group_topk: int = 0
+    """Groups a token may route to (``topk_group``), with ``router_num_groups``."""
+    router_topk_scaling_factor: float = 1.0
+    """The chosen experts' weights times this (DeepSeek-V3's ``routed_scaling_factor``)."""
 
     def enabled(self) -> bool:
         return self.num_experts > 0
@@ -59,10 +75,22 @@ class MoEConfig:
         if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
             raise ConfigError(f"{where}.shared_expert_gate needs a shared expert ({where}.shared_expert_ffn_hidden_size "
                               "> 0)")
-        for name in ("aux_loss_coeff", "z_loss_coeff"):
+        for name in ("aux_loss_coeff", "z_loss_coeff", "router_expert_bias_update_rate"):
             require_range(self, where, name, 0)
+        require_range(self, where, "router_topk_scaling_factor", 0, low_open=True)
+        if self.router_expert_bias and self.router_score_function != "sigmoid":
+            raise ConfigError(f"{where}.router_expert_bias needs {where}.router_score_function: sigmoid")
+        if self.router_expert_bias_update_rate and not self.router_expert_bias:
+            raise ConfigError(f"{where}.router_expert_bias_update_rate needs {where}.router_expert_bias: true")
+        if bool(self.router_num_groups) != bool(self.router_group_topk):
+            raise ConfigError(f"{where}.router_num_groups and {where}.router_group_topk go together (both > 0 or "
+                              "both 0)")
         if not self.enabled():
             return
+        if self.router_num_groups and (self.num_experts % self.router_num_groups
+                                       or self.router_group_topk > self.router_num_groups):
+            raise ConfigError(f"{where}.router_num_groups={self.router_num_groups} must divide {where}.num_experts="
+                              f"{self.num_experts}, and router_group_topk={self.router_group_topk} may not exceed it")
         if self.router_topk > self.num_experts:
             raise ConfigError(f"{where}.router_topk={self.router_topk} exceeds {where}.num_experts={self.num_experts}")
         if self.layers is not None:
@@ -73,6 +101,36 @@ class MoEConfig:
             if not any(self.layers):
                 raise ConfigError(f"{where}.layers marks no layer as MoE (set {where}.num_experts: 0 for a dense "
                                   "model)")
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3; Megatron-core's ``MLASelfAttention``): queries through an
+    optional low-rank bottleneck, keys and values from one shared latent of ``kv_lora_rank`` plus a rotary key part
+    shared by all heads. ``kv_lora_rank`` 0 = ordinary attention."""
+
+    kv_lora_rank: int = 0
+    """Width of the compressed key/value latent (HF ``kv_lora_rank``); 0 = MLA off."""
+    q_lora_rank: int = 0
+    """Width of the query bottleneck (HF ``q_lora_rank``); 0 = one full-rank query projection (``q_proj``)."""
+    qk_head_dim: int = 128
+    """Per-head query/key width without RoPE (HF ``qk_nope_head_dim``)."""
+    qk_pos_emb_head_dim: int = 64
+    """Per-head query/key width that RoPE rotates (HF ``qk_rope_head_dim``); the key part is shared by all heads."""
+    v_head_dim: int = 128
+    """Per-head value width (HF ``v_head_dim``)."""
+
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def validate(self, where: str = "model.mla") -> None:
+        require_at_least(self, where, 0, "kv_lora_rank", "q_lora_rank")
+        if self.enabled():
+            require_at_least(self, where, 1, "qk_head_dim", "v_head_dim")
+            require_at_least(self, where, 2, "qk_pos_emb_head_dim")
+            if self.qk_pos_emb_head_dim % 2:
+                raise ConfigError(f"{where}.qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} must be even (RoPE "
+                                  "rotates pairs)")
 
 
 @dataclass
@@ -99,10 +157,11 @@ class ModelConfig:
     """Rotary (Llama) or learned absolute positions."""
     rotary_base: float = 10000.0
     """RoPE theta."""
-    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    rope_scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
     """RoPE frequency scaling: none; linear = every frequency / ``rope_scaling_factor`` (positions interpolated);
     llama3 = Llama 3.1's per-band scaling (``rope_scaling_factor``, the low/high frequency factors, the original
-    context)."""
+    context); yarn = YaRN (``rope_scaling_factor``, ``rope_original_max_position``, the ``yarn_*`` fields; with MLA
+    only, where Megatron-core applies it)."""
     rope_scaling_factor: float = 1.0
     """Scaling factor of ``linear`` and ``llama3`` RoPE scaling."""
     rope_low_freq_factor: float = 1.0
@@ -110,7 +169,16 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     """llama3 scaling: wavelengths below original context / this are kept; in between, interpolated."""
     rope_original_max_position: int = 8192
-    """llama3 scaling: the context length the model was pretrained at."""
+    """llama3 and yarn scaling: the context length the model was pretrained at."""
+    yarn_beta_fast: float = 32.0
+    """yarn: rotations per context above which a frequency is kept (HF ``beta_fast``)."""
+    yarn_beta_slow: float = 1.0
+    """yarn: rotations per context below which a frequency is interpolated (HF ``beta_slow``)."""
+    yarn_mscale: float = 1.0
+    """yarn: the attention-temperature coefficient of the rotary cos/sin (HF ``mscale``)."""
+    yarn_mscale_all_dim: float = 0.0
+    """yarn: the coefficient applied to the whole query-key product, squared into the softmax scale (HF
+    ``mscale_all_dim``; DeepSeek-V3: 1.0)."""
     kv_channels: int | None = None
     """Width of one attention head (HF ``head_dim``); None = hidden_size / num_attention_heads."""
     qk_layernorm: bool = False
@@ -142,11 +210,14 @@ class ModelConfig:
     max_position_embeddings: int | None = None
     """Context length of an imported model (HF ``max_position_embeddings``), written back on export; None =
     seq_length. Training uses seq_length."""
-    hf_family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"] | None = None
+    hf_family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral",
+                       "deepseek_v3"] | None = None
     """The Hugging Face family the model was imported from and is exported as; None = the family its architecture
     implies (QK norm: qwen3; QKV-only biases: qwen2; else llama)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts MLPs (off by default)."""
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    """Multi-head latent attention (DeepSeek-V3; off by default)."""
 
     def validate(self, where: str = "model") -> None:
         require_at_least(self, where, 1, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -173,6 +244,14 @@ class ModelConfig:
         if self.qk_layernorm and self.normalization != "RMSNorm":
             raise ConfigError(f"{where}.qk_layernorm needs normalization: RMSNorm")
         self.moe.validate(f"{where}.moe", self.num_layers)
+        self.mla.validate(f"{where}.mla")
+        if self.rope_scaling == "yarn" and not self.mla.enabled():
+            raise ConfigError(f"{where}.rope_scaling: yarn is implemented for multi-head latent attention only "
+                              f"({where}.mla.kv_lora_rank > 0)")
+        if self.mla.enabled() and (self.position_embedding_type != "rope" or self.normalization != "RMSNorm"
+                                   or self.add_bias_linear or self.add_qkv_bias):
+            raise ConfigError(f"{where}.mla: multi-head latent attention needs position_embedding_type: rope, "
+                              "normalization: RMSNorm and no biases")
         if self.moe.enabled() and self.activation != "swiglu":
             raise ConfigError(f"{where}.moe: experts are SwiGLU MLPs; set {where}.activation: swiglu")
 
@@ -235,7 +314,9 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1",
                                                                 "linear_fc2"])
     """Megatron linears that get adapters: linear_qkv / linear_proj (attention in / out), linear_fc1 / linear_fc2
-    (MLP in / out)."""
+    (MLP in / out). With multi-head latent attention linear_qkv adapts its per-head query and key/value projections
+    (HF ``q_proj`` or ``q_b_proj``, and ``kv_b_proj``), one adapter each; the down projections into the latents
+    (``q_a_proj``, ``kv_a_proj_with_mqa``) keep their weights."""
     store: Literal["adapters", "merged"] = "adapters"
     """What the stage's model artifact holds. ``adapters``: the adapters alone (a few MB) and the path of the base
     they apply to; every reader (the next stage, evaluation, the HF export) merges them into the base on load.

@@ -32,7 +32,14 @@ class SDPAttention(DotProductAttention):
     Shapes (Megatron convention, per tensor-parallel partition):
       query [sq, b, np, hn], key/value [sk, b, ng, hn] (ng = query groups, GQA when ng < np) -> context [sq, b, np*hn].
     ``attention_mask`` follows Megatron: boolean, True = *masked out*, broadcastable to [b, 1|np, sq, sk].
+    Multi-head latent attention passes query/key and value heads of different widths (``k_channels``,
+    ``v_channels``: e.g. 192 and 128); the context then has the value width per head.
     """
+
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:  # the context's width: value heads of this partition
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
     def forward(
         self,
@@ -50,7 +57,7 @@ class SDPAttention(DotProductAttention):
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        sq, b, np_, hn = query.shape
+        sq, b, np_, _ = query.shape
         sk = key.shape[0]
 
         # [s, b, h, d] -> [b, h, s, d]
@@ -94,8 +101,8 @@ class SDPAttention(DotProductAttention):
                 q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale,
                 enable_gqa=gqa,
             )
-        # [b, np, sq, hn] -> [sq, b, np*hn]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        # [b, np, sq, hv] -> [sq, b, np*hv]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * v.shape[-1])
 
 
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
@@ -103,14 +110,18 @@ class SDPAttention(DotProductAttention):
         ``params.cu_seqlens_q`` attending causally to itself only (no dropout)."""
         if params.qkv_format != "thd" or not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
             raise NotImplementedError("SDPAttention packs self-attention in the thd format only")
-        t, np_, hn = query.shape
+        t, np_, _ = query.shape
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # [1, h, t, hn]
-        if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and varlen_attention_available():
+        # the variable-length and flex kernels take one head width: multi-head latent attention (value heads
+        # narrower than query/key heads) packs through SDPA with the block-diagonal mask
+        same_width = value.shape[-1] == query.shape[-1]
+        if (same_width and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+                and varlen_attention_available()):
             context = _varlen(query, key, value, params.cu_seqlens_q, params.max_seqlen_q, self.softmax_scale, groups)
-            return context.reshape(t, np_ * hn)  # [t, np*hn]
+            return context.reshape(t, np_ * value.shape[-1])  # [t, np*hv]
         segment = segment_ids(params.cu_seqlens_q, t)  # [t]
-        if query.is_cuda and flex_attention_available():
+        if same_width and query.is_cuda and flex_attention_available():
             block_mask = getattr(params, "_align_block_mask", None)  # one per forward, shared by every layer
             if block_mask is None:
                 block_mask = _segment_block_mask(segment)
@@ -121,7 +132,7 @@ class SDPAttention(DotProductAttention):
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             keep = (segment[:, None] == segment[None, :]) & _causal_keep_mask(t, t, q.device)  # [t, t]
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=self.softmax_scale)
-        return context.squeeze(0).permute(1, 0, 2).reshape(t, np_ * hn)  # [t, np*hn]
+        return context.squeeze(0).permute(1, 0, 2).reshape(t, np_ * value.shape[-1])  # [t, np*hv]
 
 
 def segment_ids(cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:

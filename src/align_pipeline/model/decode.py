@@ -63,14 +63,24 @@ class DecodeEngine:
 
     def __init__(self, gpt, batch: int, length: int):
         attention = gpt.decoder.layers[0].self_attention
-        groups = attention.num_query_groups_per_partition
-        head_dim = attention.hidden_size_per_attention_head
+        groups, head_dim, value_dim = _cache_widths(gpt)
         param = next(gpt.parameters())
         device, dtype = param.device, param.dtype
         self.batch, self.length, self.device = batch, length, device
         n = len(gpt.decoder.layers)
         self.keys = [torch.zeros(batch, groups, length, head_dim, dtype=dtype, device=device) for _ in range(n)]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.values = [torch.zeros(batch, groups, length, value_dim, dtype=dtype, device=device) for _ in range(n)]
+        # Multi-head latent attention rotates inside each layer (its own, YaRN-capable RoPE): the layers' rotary
+        # modules are swapped (in ``attached``) for one that hands them the current forward's columns from this table.
+        self.mla = bool(getattr(gpt.config, "multi_latent_attention", False))
+        self.mla_freqs: torch.Tensor | None = None  # [S, 1, 1, rot_dim]
+        self.mla_mscale = 1.0
+        self.mla_current: torch.Tensor | None = None  # the current forward's: [P, 1, 1, rot] or [1, w, 1, rot]
+        if self.mla:
+            table = attention.rotary_pos_emb(length)
+            self.mla_yarn = isinstance(table, tuple)  # YaRN's module also gives its cos/sin coefficient
+            self.mla_freqs, self.mla_mscale = table if self.mla_yarn else (table, 1.0)
+            self.mla_step = self.mla_freqs[:1].expand(batch, -1, -1, -1).clone()  # [B, 1, 1, rot]
         self.keep = torch.zeros(batch, length, dtype=torch.bool, device=device)  # [B, S] True = key column is real
         self.ids = torch.zeros(batch, dtype=torch.long, device=device)  # [B] token each row feeds the next step
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)  # [B] its position id
@@ -96,11 +106,13 @@ class DecodeEngine:
             self.step_sin = self.sin_signed[:1].expand(batch, -1, -1, -1).clone()
         self.rope_cos: torch.Tensor | None = None  # the tables the current forward applies ([sq, 1, 1, rot_dim])
         self.rope_sin: torch.Tensor | None = None
-        self.scale = gpt.config.softmax_scale or head_dim**-0.5
+        # MLA: its softmax scale (with YaRN's attention temperature), computed by the layer
+        self.scale = (attention.softmax_scale if self.mla else None) or gpt.config.softmax_scale or head_dim**-0.5
         self.prefill_mask: torch.Tensor | None = None  # [u, 1, P, P] True = attend; None = plain causal
         self.decoding = False
         self.prefill_rows: torch.Tensor | None = None  # [u] the rows a prefill writes (None: [0, u))
         self.kv_index: torch.Tensor | None = None  # [b, groups, 1, head_dim] each row's column, for scatter_
+        self.v_index: torch.Tensor | None = None  # the same for the values' width
         self.span = length  # columns the current decode step attends over (a value of spans())
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (width, span) ->
         self.pool = None  # the graphs' shared memory pool (they are never replayed at once)
@@ -127,13 +139,17 @@ class DecodeEngine:
         swapped = []
         for i, layer in enumerate(gpt.decoder.layers):
             attn = layer.self_attention
-            swapped.append((attn, attn.core_attention))
+            swapped.append((attn, attn.core_attention, getattr(attn, "rotary_pos_emb", None)))
             attn.core_attention = _CachedCoreAttention(self, i)
+            if self.mla:
+                attn.rotary_pos_emb = _EngineRope(self, attn.rotary_pos_emb)
         try:
             yield
         finally:
-            for attn, core in swapped:
+            for attn, core, rotary in swapped:
                 attn.core_attention = core
+                if self.mla:
+                    attn.rotary_pos_emb = rotary
 
     def _forward(self, gpt, ids: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor | None) -> torch.Tensor:
         """ids, positions [b, sq] -> logits [b, V_padded] of the last column (full vocabulary on every TP rank).
@@ -161,6 +177,8 @@ class DecodeEngine:
         self.column[rows] = p
         self.positions[rows] = positions[:, -1] + 1
         freqs = self.freqs[:p] if self.freqs is not None else None
+        if self.mla:
+            self.mla_current = self.mla_freqs[:p]
         if self.rope:
             self.rope_cos, self.rope_sin, freqs = self.cos[:p], self.sin_signed[:p], None
         try:
@@ -243,10 +261,14 @@ class DecodeEngine:
         self.decoding, self.span = True, span
         column = self.column[:width]  # [w]
         self.keep[:width].scatter_(1, column[:, None], True)  # the column each row writes this step
-        k = self.keys[0]
+        k, v = self.keys[0], self.values[0]
         self.kv_index = column.view(width, 1, 1, 1).expand(width, k.shape[1], 1, k.shape[3])  # [w, groups, 1, hd]
+        self.v_index = column.view(width, 1, 1, 1).expand(width, v.shape[1], 1, v.shape[3])
         freqs = None
-        if self.rope:
+        if self.mla:
+            torch.index_select(self.mla_freqs, 0, column, out=self.mla_step[:width])  # [w, 1, 1, rot_dim]
+            self.mla_current = self.mla_step[:width].view(1, width, 1, self.mla_step.shape[-1])
+        elif self.rope:
             torch.index_select(self.cos, 0, column, out=self.step_cos[:width])  # [w, 1, 1, rot_dim]
             torch.index_select(self.sin_signed, 0, column, out=self.step_sin[:width])
             rot = self.step_cos.shape[-1]
@@ -307,7 +329,7 @@ class _CachedCoreAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         e = self.engine
-        sq, b, np_, hn = query.shape
+        sq, b, np_, _ = query.shape
         if e.rope:
             query, key = e.apply_rope(query, key)
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
@@ -316,7 +338,7 @@ class _CachedCoreAttention(torch.nn.Module):
         if e.decoding:
             k_cache, v_cache = e.keys[self.index][:b], e.values[self.index][:b]  # [b, ng, S, hn]
             k_cache.scatter_(2, e.kv_index, k)  # each row at its own column
-            v_cache.scatter_(2, e.kv_index, v)
+            v_cache.scatter_(2, e.v_index, v)
             span = e.span  # the columns any row of the step has: [0, span)
             mask = e.keep[:b, None, None, :span]  # [b, 1, 1, span]
             context = attend_cache(q, k_cache[:, :, :span], v_cache[:, :, :span], mask, e.scale)
@@ -326,7 +348,39 @@ class _CachedCoreAttention(torch.nn.Module):
             mask = e.prefill_mask
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=e.scale,
                                                      enable_gqa=np_ != k.shape[1])
-        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, np*hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * v.shape[-1])  # [sq, b, np*hv]
+
+
+class _EngineRope(torch.nn.Module):
+    """Stands in for a multi-head latent attention layer's rotary module while the engine runs it: the layer asks
+    for the frequencies of ``seq_len`` positions and slices the first ``sq``; it gets those of the current forward's
+    cache columns ([P, 1, 1, rot] for a prefill, [1, w, 1, rot] per row for a decode step), and YaRN's
+    cos/sin coefficient as the layer's own module gives it."""
+
+    def __init__(self, engine: DecodeEngine, inner):
+        super().__init__()
+        self.engine = engine
+        object.__setattr__(self, "inner", inner)  # not a submodule: the layer's own, restored after
+
+    def get_rotary_seq_len(self, *args, **kwargs) -> int:
+        return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, seq_len: int, packed_seq: bool = False):
+        e = self.engine
+        return (e.mla_current, e.mla_mscale) if e.mla_yarn else e.mla_current
+
+
+def _cache_widths(gpt) -> tuple[int, int, int]:
+    """(key/value heads per TP rank, key width, value width) of one layer's cache: the query groups and the head
+    width, or for multi-head latent attention every head with its rotated key (``qk_head_dim`` +
+    ``qk_pos_emb_head_dim``) and its value (``v_head_dim``): the keys and values as the layer computes them."""
+    attention = gpt.decoder.layers[0].self_attention
+    cfg = gpt.config
+    if getattr(cfg, "multi_latent_attention", False):
+        return (attention.num_attention_heads_per_partition, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim,
+                cfg.v_head_dim)
+    head_dim = attention.hidden_size_per_attention_head
+    return attention.num_query_groups_per_partition, head_dim, head_dim
 
 
 def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
@@ -356,10 +410,9 @@ _ROUND = 64  # cache columns are allocated in multiples of this (fewer re-alloca
 def kv_bytes_per_row(gpt, length: int) -> int:
     """Bytes of KV cache one row of ``length`` columns takes (keys and values of every layer, this TP rank's query
     groups, columns rounded up as :func:`decode_engine` allocates them)."""
-    attention = gpt.decoder.layers[0].self_attention
+    groups, key_width, value_width = _cache_widths(gpt)
     itemsize = next(gpt.parameters()).element_size()
-    return (2 * len(gpt.decoder.layers) * attention.num_query_groups_per_partition
-            * attention.hidden_size_per_attention_head * _bucket(length) * itemsize)
+    return len(gpt.decoder.layers) * groups * (key_width + value_width) * _bucket(length) * itemsize
 
 
 def _bucket(length: int) -> int:

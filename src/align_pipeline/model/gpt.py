@@ -21,7 +21,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from align_pipeline.config.common import LoRAConfig, ModelConfig, ParallelConfig
 from align_pipeline.model import kernels, rope
@@ -116,8 +116,30 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides
     kwargs.update(moe_config(model, parallel))
     fused = kernels.use_fused(parallel.kernels, resolve_attention_backend(model))
     kwargs.update(kernels.config_overrides(fused, model.activation == "swiglu", model.add_bias_linear))
+    if model.mla.enabled():
+        kwargs.update(mla_config(model))
+        kwargs.update(overrides)
+        return MLATransformerConfig(**kwargs)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def mla_config(model: ModelConfig) -> dict:
+    """Megatron's multi-head latent attention settings for ``model.mla`` (MLATransformerConfig): the latent and head
+    widths, and the RoPE of the rotary part (plain, or YaRN with its two attention-temperature coefficients, which
+    Megatron folds into the cos/sin and into the softmax scale as DeepSeek-V3's HF code does)."""
+    mla = model.mla
+    out = {"multi_latent_attention": True, "q_lora_rank": mla.q_lora_rank or None, "kv_lora_rank": mla.kv_lora_rank,
+           "qk_head_dim": mla.qk_head_dim, "qk_pos_emb_head_dim": mla.qk_pos_emb_head_dim,
+           "v_head_dim": mla.v_head_dim, "kv_channels": mla.v_head_dim, "qk_layernorm": True,
+           "rotary_base": model.rotary_base, "rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0,
+           "mscale_all_dim": 0.0, "rotary_percent": 1.0}
+    if model.rope_scaling == "yarn":
+        out |= {"rope_type": "yarn", "rotary_scaling_factor": model.rope_scaling_factor,
+                "original_max_position_embeddings": model.rope_original_max_position,
+                "beta_fast": model.yarn_beta_fast, "beta_slow": model.yarn_beta_slow, "mscale": model.yarn_mscale,
+                "mscale_all_dim": model.yarn_mscale_all_dim}
+    return out
 
 
 def moe_config(model: ModelConfig, parallel: ParallelConfig) -> dict:
@@ -141,12 +163,18 @@ def moe_config(model: ModelConfig, parallel: ParallelConfig) -> dict:
         "moe_ffn_hidden_size": moe.ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
         "moe_layer_freq": list(moe.layers) if moe.layers is not None else 1,
         "moe_router_pre_softmax": moe.router_pre_softmax,
-        "moe_router_score_function": "softmax",
         "moe_router_load_balancing_type": balancing,
         "moe_aux_loss_coeff": moe.aux_loss_coeff,
         "moe_z_loss_coeff": moe.z_loss_coeff or None,
         "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size or None,
         "moe_shared_expert_gate": moe.shared_expert_gate,
+        "moe_router_score_function": moe.router_score_function,
+        "moe_router_enable_expert_bias": moe.router_expert_bias,
+        "moe_router_bias_update_rate": moe.router_expert_bias_update_rate,
+        "moe_router_num_groups": moe.router_num_groups or None,
+        "moe_router_group_topk": moe.router_group_topk or None,
+        "moe_router_topk_scaling_factor": (moe.router_topk_scaling_factor
+                                           if moe.router_topk_scaling_factor != 1.0 else None),
         "moe_router_dtype": "fp32",
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": grouped,
@@ -154,6 +182,15 @@ def moe_config(model: ModelConfig, parallel: ParallelConfig) -> dict:
         "expert_model_parallel_size": parallel.expert_model_parallel_size,
         "expert_tensor_parallel_size": parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size,
     }
+
+
+def _mla_without_te() -> None:
+    """Megatron 0.16's MLA module believes Transformer Engine present whenever its extension module imports (which it
+    does without TE, mocked), and then asks ``isinstance(..., TELinear)`` of a mock: without TE it is told so."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
 
 
 def _without_te_gemm() -> None:
@@ -175,6 +212,10 @@ def block_spec(model: ModelConfig, config: TransformerConfig, pp_rank: int, fuse
     (:mod:`align_pipeline.model.lora`).
     """
     backend = resolve_attention_backend(model)
+    mla = model.mla.enabled()
+    if mla:
+        _mla_without_te()
+        backend = "sdpa"  # Megatron's local DotProductAttention takes no separate key/value widths; TE's spec untested
     if backend == "te" and lora is not None and lora.rank:
         raise ValueError("LoRA adapters go on Megatron's local linears: set model.attention_backend: sdpa "
                          "(Transformer Engine's fused linears take none here)")
@@ -197,10 +238,13 @@ def block_spec(model: ModelConfig, config: TransformerConfig, pp_rank: int, fuse
 
     def local_layer(num_experts: int | None) -> ModuleSpec:
         layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                         normalization=model.normalization, qk_layernorm=model.qk_layernorm)
+                                         normalization=model.normalization, qk_layernorm=model.qk_layernorm or mla,
+                                         multi_latent_attention=mla)
         attn = layer.submodules.self_attention
         replaced = {"core_attention": SDPAttention} if backend == "sdpa" else {}
-        if model.qk_layernorm:
+        if mla:  # the norms of the query bottleneck and of the key/value latent
+            replaced |= {"q_layernorm": norm, "kv_layernorm": norm}
+        elif model.qk_layernorm:
             replaced |= {"q_layernorm": norm, "k_layernorm": norm}
         attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, **replaced))
         mlp = layer.submodules.mlp
@@ -282,7 +326,7 @@ def build_gpt(
         from align_pipeline.model.moe import init_experts
 
         init_experts(gpt, torch.initial_seed())  # the same experts at every EP x expert-TP layout
-    if model.position_embedding_type == "rope":
+    if model.position_embedding_type == "rope" and not model.mla.enabled():  # MLA: each layer's own (YaRN) RoPE
         # Megatron's RoPE knows only plain theta (and Llama 3's scaling with fixed constants): install ours.
         gpt.rotary_pos_emb.inv_freq = rope.inv_freq(model, gpt.rotary_pos_emb.inv_freq.device)
     if torch.cuda.is_available():

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from align_pipeline.config.checks import HF_MODEL_TYPES
-from align_pipeline.config.common import ModelConfig, MoEConfig
+from align_pipeline.config.common import MLAConfig, ModelConfig, MoEConfig
 
 SUPPORTED_MODEL_TYPES = HF_MODEL_TYPES  # one list, also read before any node runs (config.checks.start_arch)
 
@@ -94,8 +94,23 @@ def _rope(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
                 "rope_low_freq_factor": float(factor("low_freq_factor")),
                 "rope_high_freq_factor": float(factor("high_freq_factor")),
                 "rope_original_max_position": int(factor("original_max_position_embeddings"))}
+    if rope_type == "yarn":
+        # transformers: cos/sin times get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both are
+        # set (else get_mscale(factor)), the softmax scale times get_mscale(factor, mscale_all_dim)^2 when that is
+        # set: Megatron's MLA computes exactly this from (mscale, mscale_all_dim) = (1, 0) when neither is set.
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if bool(mscale) != bool(mscale_all_dim) or rope.get("attention_factor") is not None \
+                or rope.get("truncate", True) is False:
+            raise HFConversionError(f"{where}: YaRN with mscale={mscale}, mscale_all_dim={mscale_all_dim}, "
+                                    f"attention_factor={rope.get('attention_factor')}, truncate={rope.get('truncate')}"
+                                    " is not supported (both mscales or neither; no attention_factor; truncate)")
+        return {"rotary_base": theta, "rope_scaling": "yarn", "rope_scaling_factor": float(factor("factor")),
+                "rope_original_max_position": int(factor("original_max_position_embeddings")),
+                "yarn_beta_fast": float(rope.get("beta_fast") or 32.0),
+                "yarn_beta_slow": float(rope.get("beta_slow") or 1.0),
+                "yarn_mscale": float(mscale or 1.0), "yarn_mscale_all_dim": float(mscale_all_dim or 0.0)}
     raise HFConversionError(f"{where}: RoPE scaling {rope_type!r} ({rope}) is not supported; supported: default, "
-                            "linear, llama3")
+                            "linear, llama3, yarn (multi-head latent attention)")
 
 
 def _sliding_window(cfg: dict[str, Any], model_type: str, seq_length: int, where: Path) -> int | None:
@@ -125,6 +140,8 @@ def _moe(cfg: dict[str, Any], model_type: str, layers: int, where: Path) -> MoEC
     layer, gated by sigmoid(``shared_expert_gate``). Mixtral: ``num_local_experts`` of ``intermediate_size`` in
     every layer, always renormalised. All: the load-balancing loss with ``router_aux_loss_coef`` when
     ``output_router_logits`` (HF trains with it only then)."""
+    if model_type == "deepseek_v3":
+        return _deepseek_moe(cfg, layers, where)
     if model_type not in ("qwen3_moe", "qwen2_moe", "mixtral"):
         return MoEConfig()
 
@@ -166,6 +183,60 @@ def _moe(cfg: dict[str, Any], model_type: str, layers: int, where: Path) -> MoEC
                      shared_expert_gate=model_type == "qwen2_moe")
 
 
+def _deepseek_moe(cfg: dict[str, Any], layers: int, where: Path) -> MoEConfig:
+    """DeepSeek-V3's MoE: ``n_routed_experts`` of ``moe_intermediate_size``, top ``num_experts_per_tok`` by
+    sigmoid score plus ``e_score_correction_bias``, within the ``topk_group`` best of ``n_group`` groups (a group
+    ranked by the sum of its two best scores), the chosen scores renormalised and times ``routed_scaling_factor``;
+    ``n_shared_experts`` shared experts (one MLP of their summed width, ungated); the first
+    ``first_k_dense_replace`` layers dense. Megatron ranks a group by its top ``topk / topk_group`` scores and always
+    renormalises sigmoid scores: other settings are refused."""
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise HFConversionError(f"{where}: required field {key!r} is missing")
+        return cfg[key]
+
+    experts, topk = int(need("n_routed_experts")), int(need("num_experts_per_tok"))
+    groups, group_topk = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if not 1 <= topk <= experts:
+        raise HFConversionError(f"{where}: num_experts_per_tok={topk} is not in [1, {experts}]")
+    if not cfg.get("norm_topk_prob", True):
+        raise HFConversionError(f"{where}: norm_topk_prob=false is not supported (Megatron renormalises the chosen "
+                                "experts' sigmoid scores)")
+    if groups > 1 and (experts % groups or not 1 <= group_topk <= groups or topk != 2 * group_topk):
+        raise HFConversionError(f"{where}: n_group={groups}, topk_group={group_topk} with num_experts_per_tok={topk}"
+                                " is not supported (groups ranked by their top-2 scores need num_experts_per_tok = "
+                                "2 x topk_group, and n_group must divide n_routed_experts)")
+    dense = int(cfg.get("first_k_dense_replace") or 0)
+    if dense >= layers:
+        raise HFConversionError(f"{where}: first_k_dense_replace={dense} leaves no MoE layer of {layers}")
+    pattern = [int(i >= dense) for i in range(layers)] if dense else None
+    shared = int(cfg.get("n_shared_experts") or 0) * int(need("moe_intermediate_size"))
+    return MoEConfig(num_experts=experts, router_topk=topk, ffn_hidden_size=int(need("moe_intermediate_size")),
+                     layers=pattern, router_pre_softmax=False, shared_expert_ffn_hidden_size=shared,
+                     router_score_function="sigmoid", router_expert_bias=True,
+                     router_num_groups=groups if groups > 1 else 0, router_group_topk=group_topk if groups > 1 else 0,
+                     router_topk_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
+
+
+def _mla(cfg: dict[str, Any], where: Path) -> MLAConfig:
+    """DeepSeek-V3's multi-head latent attention widths; its rotary part interleaved (``rope_interleave``, what
+    Megatron's MLA applies)."""
+    if cfg.get("rope_interleave", True) is False:
+        raise HFConversionError(f"{where}: rope_interleave=false is not supported (Megatron's MLA rotates "
+                                "interleaved pairs, as DeepSeek-V3 does)")
+    if cfg.get("attention_bias"):
+        raise HFConversionError(f"{where}: attention_bias=true is not supported for deepseek_v3")
+    if cfg.get("quantization_config"):
+        raise HFConversionError(f"{where}: a quantized checkpoint ({cfg['quantization_config'].get('quant_method')})"
+                                " is not supported: dequantize it to bf16 first")
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not cfg.get(key):
+            raise HFConversionError(f"{where}: required field {key!r} is missing")
+    return MLAConfig(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+                     qk_head_dim=int(cfg["qk_nope_head_dim"]), qk_pos_emb_head_dim=int(cfg["qk_rope_head_dim"]),
+                     v_head_dim=int(cfg["v_head_dim"]))
+
+
 def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConfig, int]:
     """Our :class:`ModelConfig` for the HF Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Qwen2-MoE / Mixtral model in ``path``, and its vocabulary size.
 
@@ -194,7 +265,7 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConf
     hidden, heads, layers = int(need("hidden_size")), int(need("num_attention_heads")), int(need("num_hidden_layers"))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    if (cfg.get("head_dim") is None and hidden % heads) or heads % kv_heads:
+    if model_type != "deepseek_v3" and ((cfg.get("head_dim") is None and hidden % heads) or heads % kv_heads):
         raise HFConversionError(f"{where}: hidden_size={hidden}, num_attention_heads={heads}, "
                                 f"num_key_value_heads={kv_heads} are inconsistent")
     act = cfg.get("hidden_act", "silu")
@@ -207,6 +278,8 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConf
         add_qkv_bias, add_bias_linear = False, False
     elif model_type == "qwen2_moe":  # biases on q, k and v (qkv_bias, true unless a config says otherwise)
         add_qkv_bias, add_bias_linear = bool(cfg.get("qkv_bias", True)), False
+    elif model_type == "deepseek_v3":  # attention_bias refused by _mla
+        add_qkv_bias, add_bias_linear = False, False
     elif model_type == "qwen3_moe":
         if cfg.get("attention_bias"):
             raise HFConversionError(f"{where}: attention_bias=true is not supported for qwen3_moe (our MoE GPT has "
@@ -224,6 +297,9 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConf
     vocab = int(need("vocab_size"))
     moe = _moe(cfg, model_type, layers, where)
     dense_ffn = cfg.get("intermediate_size") if model_type in ("qwen3_moe", "qwen2_moe") else need("intermediate_size")
+    mla = _mla(cfg, where) if model_type == "deepseek_v3" else MLAConfig()
+    if mla.enabled():
+        kv_heads, head_dim = heads, hidden // heads  # MLA has no key/value heads of its own; head_dim unused
     model = ModelConfig(
         num_layers=layers,
         hidden_size=hidden,
@@ -251,6 +327,7 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> tuple[ModelConf
         max_position_embeddings=cfg.get("max_position_embeddings"),
         hf_family=model_type,
         moe=moe,
+        mla=mla,
     )
     model.validate()
     return model, vocab
@@ -363,6 +440,11 @@ class MoENames:
             self.block, self.parts = "block_sparse_moe", ("w1", "w3", "w2")
         else:
             self.block, self.parts = "mlp", ("gate_proj", "up_proj", "down_proj")
+        self.shared_block = "shared_experts" if family == "deepseek_v3" else "shared_expert"
+
+    def expert_bias(self, pre: str) -> str:
+        """DeepSeek-V3's routing bias (``e_score_correction_bias``: chooses experts, does not weight them)."""
+        return f"{pre}{self.block}.gate.e_score_correction_bias"
 
     def router(self, pre: str) -> str:
         return f"{pre}{self.block}.gate.weight"
@@ -371,10 +453,10 @@ class MoENames:
         """``part``: 0 gate, 1 up, 2 down."""
         return f"{pre}{self.block}.experts.{e}.{self.parts[part]}.weight"
 
-    @staticmethod
-    def shared(pre: str, gate: bool) -> tuple[str, ...]:
-        """Qwen2-MoE's shared expert: gate, up and down projections (and the sigmoid gate's weight)."""
-        return (*(f"{pre}mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")),
+    def shared(self, pre: str, gate: bool) -> tuple[str, ...]:
+        """The shared expert's gate, up and down projections (Qwen2-MoE ``mlp.shared_expert``, DeepSeek-V3
+        ``mlp.shared_experts``: its shared experts as one MLP of their summed width), and Qwen2-MoE's sigmoid gate."""
+        return (*(f"{pre}mlp.{self.shared_block}.{p}_proj.weight" for p in ("gate", "up", "down")),
                 *((f"{pre}mlp.shared_expert_gate.weight",) if gate else ()))
 
     @staticmethod
@@ -397,16 +479,23 @@ def expected_hf_keys(config, tied: bool, family: str | None = None,
     moe = MoENames(family or "")
     for i in range(config.num_layers):
         pre = f"layers.{i}."
-        required |= {pre + n for n in (
-            "input_layernorm.weight", "post_attention_layernorm.weight",
-            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight")}
+        required |= {pre + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                       "self_attn.o_proj.weight")}
+        if getattr(config, "multi_latent_attention", False):
+            required |= {pre + "self_attn." + n for n in (
+                ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight") if config.q_lora_rank
+                else ("q_proj.weight",)) + ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight")}
+        else:
+            required |= {pre + f"self_attn.{p}_proj.weight" for p in "qkv"}
         if is_moe_layer(config, i):
             required |= moe.keys(pre, config.num_moe_experts, present or set())
+            if config.moe_router_enable_expert_bias:
+                required.add(moe.expert_bias(pre))
             if config.moe_shared_expert_intermediate_size:
                 required |= set(moe.shared(pre, config.moe_shared_expert_gate))
         else:
             required |= {pre + n for n in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
-        if config.qk_layernorm:
+        if config.qk_layernorm and not getattr(config, "multi_latent_attention", False):
             required |= {pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"}
         if config.add_qkv_bias or config.add_bias_linear:
             required |= {pre + f"self_attn.{p}_proj.bias" for p in "qkv"}
@@ -450,7 +539,11 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
     hf = HFTensors(path)
 
     present = hf.keys()
-    family = read_hf_config(path).get("model_type")
+    hf_config = read_hf_config(path)
+    family = hf_config.get("model_type")
+    if family == "deepseek_v3":  # the multi-token-prediction layers after the last (transformers drops them too)
+        mtp = re.compile(r"^layers\.(\d+)\.")
+        present = {k for k in present if not ((m := mtp.match(k)) and int(m.group(1)) >= config.num_layers)}
     required, optional = expected_hf_keys(config, tied or value_head, family, present)  # lm_head optional
     missing = sorted(required - present)
     unexpected = sorted(k for k in present - required - optional if not _IGNORED.search(k))
@@ -466,6 +559,7 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
 
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     head_dim = config.kv_channels or config.hidden_size // heads
+    mla = getattr(config, "multi_latent_attention", False)
     hidden, ffn = config.hidden_size, config.ffn_hidden_size
     if groups % tp_size:
         raise HFConversionError(f"num_query_groups={groups} is not divisible by TP={tp_size}")
@@ -557,8 +651,34 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
         read.add(name)
         return _rows(_pad_rows(t, local_rows * tp_size), tp_rank, tp_size)
 
+    def mla_source(pre: str, rest: str) -> Callable[[], torch.Tensor] | None:
+        """Multi-head latent attention: every linear but the output projection is column-parallel, its rows sliced
+        contiguously by TP (the down projections too: Megatron gathers their outputs); the per-head up projections'
+        rows are [nope | rope] (queries) and [nope | v] (keys/values) per head in both layouts."""
+        a = pre + "self_attn."
+        q_width, kv_latent = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim), config.kv_lora_rank
+        return {
+            "self_attention.linear_q_proj.weight": lambda: _rows(get(a + "q_proj.weight", (q_width, hidden)),
+                                                                 tp_rank, tp_size),
+            "self_attention.linear_q_down_proj.weight": lambda: _rows(
+                get(a + "q_a_proj.weight", (config.q_lora_rank, hidden)), tp_rank, tp_size),
+            "self_attention.q_layernorm.weight": lambda: get(a + "q_a_layernorm.weight", (config.q_lora_rank,)),
+            "self_attention.linear_q_up_proj.weight": lambda: _rows(
+                get(a + "q_b_proj.weight", (q_width, config.q_lora_rank)), tp_rank, tp_size),
+            "self_attention.linear_kv_down_proj.weight": lambda: _rows(get(
+                a + "kv_a_proj_with_mqa.weight", (kv_latent + config.qk_pos_emb_head_dim, hidden)), tp_rank, tp_size),
+            "self_attention.kv_layernorm.weight": lambda: get(a + "kv_a_layernorm.weight", (kv_latent,)),
+            "self_attention.linear_kv_up_proj.weight": lambda: _rows(get(
+                a + "kv_b_proj.weight", (heads * (config.qk_head_dim + config.v_head_dim), kv_latent)),
+                tp_rank, tp_size),
+            "self_attention.linear_proj.weight": lambda: _rows(
+                get(a + "o_proj.weight", (hidden, heads * config.v_head_dim)), tp_rank, tp_size, dim=1),
+        }.get(rest)
+
     def layer_source(pre: str, rest: str) -> Callable[[], torch.Tensor] | None:
         norm = (hidden,)
+        if mla and rest.startswith("self_attention."):
+            return mla_source(pre, rest)
         return {
             "input_layernorm.weight": lambda: get(pre + "input_layernorm.weight", norm),
             "self_attention.linear_qkv.layer_norm_weight": lambda: get(pre + "input_layernorm.weight", norm),
@@ -606,6 +726,12 @@ def load_hf_weights(path: str | Path, module) -> dict[str, Any]:
             plan.append((name, param, source))
     if unmapped:
         raise HFConversionError(f"no HF tensor maps to these Megatron parameters: {unmapped}")
+
+    if config.num_moe_experts and config.moe_router_enable_expert_bias:  # a buffer, not a parameter
+        for layer in gpt.decoder.layers:
+            if getattr(layer.mlp, "router", None) is not None:
+                bias = moe.expert_bias(f"layers.{layer.layer_number - 1}.")
+                plan.append((bias, layer.mlp.router.expert_bias, lambda bias=bias: get(bias, (experts,))))
 
     with torch.no_grad():
         for name, param, source in plan:

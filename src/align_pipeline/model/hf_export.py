@@ -196,10 +196,10 @@ def open_tensors(checkpoint: str | os.PathLike):
     return MergedCheckpointTensors(checkpoint, inner, meta) if inner is not None else None
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe",
-                "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}
+                "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3"}
 
 
 def family_of(model: ModelConfig) -> str:
@@ -216,6 +216,9 @@ def family_of(model: ModelConfig) -> str:
     if problems:
         raise HFExportError(f"no HF family ({', '.join(FAMILIES)}) has this architecture: " + "; ".join(problems))
     qkv_only_bias = model.add_qkv_bias and not model.add_bias_linear
+    if model.mla.enabled() and not model.moe.enabled():
+        raise HFExportError("multi-head latent attention (model.mla) is written as deepseek_v3, which needs "
+                            "model.moe (a dense MLA model has no HF family here)")
     if model.moe.enabled():
         return _moe_family(model)
     family = model.hf_family or ("qwen3" if model.qk_layernorm else "qwen2" if qkv_only_bias else "llama")
@@ -240,8 +243,16 @@ def _moe_family(model: ModelConfig) -> str:
     gated shared expert; only Qwen2-MoE has (QKV) biases."""
     moe = model.moe
     shared = moe.shared_expert_ffn_hidden_size > 0
-    family = model.hf_family or ("qwen3_moe" if model.qk_layernorm else "qwen2_moe" if shared else "mixtral")
+    family = model.hf_family or ("deepseek_v3" if model.mla.enabled() else "qwen3_moe" if model.qk_layernorm
+                                 else "qwen2_moe" if shared else "mixtral")
+    if family == "deepseek_v3":
+        return _deepseek_family(model)
     problems = []
+    if model.mla.enabled():
+        problems.append("multi-head latent attention (model.mla: only deepseek_v3 has it)")
+    if moe.router_score_function != "softmax" or moe.router_expert_bias or moe.router_num_groups \
+            or moe.router_topk_scaling_factor != 1.0:
+        problems.append("DeepSeek-V3's routing (sigmoid scores, expert bias, groups, scaling)")
     if family not in MOE_FAMILIES:
         problems.append(f"model.hf_family={family!r} has no experts")
     if model.add_bias_linear or (model.add_qkv_bias and family != "qwen2_moe"):
@@ -266,9 +277,49 @@ def _moe_family(model: ModelConfig) -> str:
     return family
 
 
+def _deepseek_family(model: ModelConfig) -> str:
+    """DeepSeek-V3 has multi-head latent attention, sigmoid routing with an expert bias (renormalised, scaled,
+    optionally group-limited with groups ranked by their top-2 scores), ungated shared experts of the routed
+    experts' width, its dense layers first, and no biases."""
+    moe, problems = model.moe, []
+    ffn = moe.ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
+    if not model.mla.enabled():
+        problems.append("no multi-head latent attention (model.mla.kv_lora_rank)")
+    if moe.router_score_function != "sigmoid" or not moe.router_expert_bias or moe.router_pre_softmax:
+        problems.append("routing other than sigmoid scores with an expert bias (moe.router_score_function, "
+                        "moe.router_expert_bias)")
+    if moe.router_num_groups and moe.router_topk != 2 * moe.router_group_topk:
+        problems.append("groups not ranked by their top-2 scores (moe.router_topk != 2 x moe.router_group_topk)")
+    if moe.shared_expert_gate or moe.shared_expert_ffn_hidden_size % ffn:
+        problems.append(f"a shared expert that is gated or not a multiple of the experts' width {ffn}")
+    pattern = [moe.layer_is_moe(i) for i in range(model.num_layers)]
+    if pattern != sorted(pattern):
+        problems.append(f"dense layers after MoE layers (moe.layers={moe.layers}; DeepSeek-V3's come first)")
+    if model.add_bias_linear or model.add_qkv_bias or model.qk_layernorm:
+        problems.append("biases or QK norm")
+    if model.rope_scaling not in ("none", "yarn"):
+        problems.append(f"rope_scaling={model.rope_scaling!r}")
+    if moe.aux_loss_coeff or moe.z_loss_coeff:
+        problems.append("an aux or z loss (the export would not say it)")
+    if problems:
+        raise HFExportError("the model cannot be written as 'deepseek_v3': " + "; ".join(problems))
+    return "deepseek_v3"
+
+
 def _moe_config_kwargs(model: ModelConfig, family: str) -> dict[str, Any]:
     moe = model.moe
     expert_ffn = moe.ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
+    if family == "deepseek_v3":
+        mla = model.mla
+        return {"n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.router_topk,
+                "moe_intermediate_size": expert_ffn, "n_shared_experts": moe.shared_expert_ffn_hidden_size // expert_ffn,
+                "first_k_dense_replace": sum(not moe.layer_is_moe(i) for i in range(model.num_layers)),
+                "n_group": moe.router_num_groups or 1, "topk_group": moe.router_group_topk or 1,
+                "norm_topk_prob": True, "routed_scaling_factor": moe.router_topk_scaling_factor,
+                "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
+                "q_lora_rank": mla.q_lora_rank or None, "kv_lora_rank": mla.kv_lora_rank,
+                "qk_nope_head_dim": mla.qk_head_dim, "qk_rope_head_dim": mla.qk_pos_emb_head_dim,
+                "v_head_dim": mla.v_head_dim, "rope_interleave": True, "attention_bias": False}
     common = {"num_experts_per_tok": moe.router_topk, "router_aux_loss_coef": moe.aux_loss_coeff or 0.001,
               "output_router_logits": moe.aux_loss_coeff > 0}
     if family == "mixtral":
@@ -292,6 +343,11 @@ def _rope_parameters(model: ModelConfig) -> dict[str, Any]:
     if model.rope_scaling == "llama3":
         rope |= {"low_freq_factor": model.rope_low_freq_factor, "high_freq_factor": model.rope_high_freq_factor,
                  "original_max_position_embeddings": model.rope_original_max_position}
+    if model.rope_scaling == "yarn":  # (mscale, mscale_all_dim) = (1, 0) is transformers' default: keys omitted
+        rope |= {"original_max_position_embeddings": model.rope_original_max_position,
+                 "beta_fast": model.yarn_beta_fast, "beta_slow": model.yarn_beta_slow}
+        if model.yarn_mscale_all_dim:
+            rope |= {"mscale": model.yarn_mscale, "mscale_all_dim": model.yarn_mscale_all_dim}
     return rope
 
 
@@ -319,7 +375,7 @@ def hf_config(model: ModelConfig, vocab_size: int, dtype: torch.dtype, tokens: d
     )
     if num_labels is not None:
         kwargs["num_labels"] = num_labels
-    if family not in ("qwen2", "qwen2_moe"):  # Qwen2's head width is always hidden / heads (family_of checks)
+    if family not in ("qwen2", "qwen2_moe", "deepseek_v3"):  # Qwen2: hidden / heads (family_of checks); MLA: its own
         kwargs["head_dim"] = rope.head_dim(model)
     if family == "llama":
         kwargs |= {"attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear}
@@ -328,6 +384,8 @@ def hf_config(model: ModelConfig, vocab_size: int, dtype: torch.dtype, tokens: d
                    "sliding_window": model.sliding_window}
     elif family in ("qwen2", "qwen2_moe"):
         kwargs |= {"use_sliding_window": False, "sliding_window": model.sliding_window}
+    elif family == "deepseek_v3":
+        kwargs["num_key_value_heads"] = model.num_attention_heads
     else:
         kwargs |= {"sliding_window": model.sliding_window}
     if family in MOE_FAMILIES:
@@ -402,16 +460,19 @@ def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int,
     for i in range(layers):
         pre = f"model.layers.{i}."
         plan.append((pre + "input_layernorm.weight", (hidden,), lambda i=i: layer(input_norm, i)))
-        for suffix in qkv_suffixes:
+        if model.mla.enabled():
+            plan += _mla_tensors(layer, model, i)
+        for suffix in [] if model.mla.enabled() else qkv_suffixes:
             rest = (hidden,) if suffix == "weight" else ()
             for part, (proj, rows) in enumerate((("q", heads), ("k", groups), ("v", groups))):
                 plan.append((pre + f"self_attn.{proj}_proj.{suffix}", (rows * head_dim, *rest),
                              lambda i=i, s=suffix, p=part: qkv_part(s, i, p)))
-        if model.qk_layernorm:
+        if model.qk_layernorm and not model.mla.enabled():
             for proj in ("q", "k"):
                 plan.append((pre + f"self_attn.{proj}_norm.weight", (head_dim,), lambda i=i, p=proj: layer(
                     f"decoder.layers.self_attention.{p}_layernorm.weight", i)))
-        plan.append((pre + "self_attn.o_proj.weight", (hidden, heads * head_dim),
+        plan.append((pre + "self_attn.o_proj.weight", (hidden, heads * (model.mla.v_head_dim if model.mla.enabled()
+                                                                        else head_dim)),
                      lambda i=i: layer("decoder.layers.self_attention.linear_proj.weight", i)))
         if ckpt.has("decoder.layers.self_attention.linear_proj.bias"):
             plan.append((pre + "self_attn.o_proj.bias", (hidden,),
@@ -441,6 +502,24 @@ def hf_tensors(ckpt: CheckpointTensors, model: ModelConfig, vocab_size: int,
     return plan
 
 
+def _mla_tensors(layer: Callable[[str, int], torch.Tensor], model: ModelConfig,
+                 i: int) -> list[tuple[str, tuple[int, ...], Producer]]:
+    """Layer ``i``'s multi-head latent attention as DeepSeek-V3 names it (the same rows in both layouts)."""
+    mla, hidden, heads = model.mla, model.hidden_size, model.num_attention_heads
+    pre, ours = f"model.layers.{i}.self_attn.", "decoder.layers.self_attention."
+    q_width = heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim)
+    names = ([("q_a_proj.weight", "linear_q_down_proj.weight", (mla.q_lora_rank, hidden)),
+              ("q_a_layernorm.weight", "q_layernorm.weight", (mla.q_lora_rank,)),
+              ("q_b_proj.weight", "linear_q_up_proj.weight", (q_width, mla.q_lora_rank))] if mla.q_lora_rank
+             else [("q_proj.weight", "linear_q_proj.weight", (q_width, hidden))])
+    names += [("kv_a_proj_with_mqa.weight", "linear_kv_down_proj.weight",
+               (mla.kv_lora_rank + mla.qk_pos_emb_head_dim, hidden)),
+              ("kv_a_layernorm.weight", "kv_layernorm.weight", (mla.kv_lora_rank,)),
+              ("kv_b_proj.weight", "linear_kv_up_proj.weight",
+               (heads * (mla.qk_head_dim + mla.v_head_dim), mla.kv_lora_rank))]
+    return [(pre + hf, shape, lambda name=ours + name: layer(name, i)) for hf, name, shape in names]
+
+
 def _expert_tensors(layer: Callable[[str, int], torch.Tensor], model: ModelConfig,
                     i: int) -> list[tuple[str, tuple[int, ...], Producer]]:
     """MoE layer ``i``'s router and experts, per expert as the family's checkpoints name them (:class:`MoENames`):
@@ -453,6 +532,8 @@ def _expert_tensors(layer: Callable[[str, int], torch.Tensor], model: ModelConfi
     names, pre = MoENames(family_of(model)), f"model.layers.{i}."
     fc1, fc2 = "decoder.layers.mlp.experts.experts.linear_fc1.weight", "decoder.layers.mlp.experts.experts.linear_fc2.weight"
     plan = [(names.router(pre), (experts, hidden), lambda: layer("decoder.layers.mlp.router.weight", i))]
+    if model.moe.router_expert_bias:
+        plan.append((names.expert_bias(pre), (experts,), lambda: layer("decoder.layers.mlp.router.expert_bias", i)))
     plan += [(names.expert(pre, e, part), (ffn, hidden),
               lambda e=e, part=part: layer(fc1, i)[e].chunk(2, dim=0)[part].contiguous())
              for e in range(experts) for part in (0, 1)]
@@ -667,7 +748,10 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, tokeniz
 
 
 PEFT_MODULES = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "linear_proj": ("self_attn", ("o_proj",)),
-                "linear_fc1": ("mlp", ("gate_proj", "up_proj")), "linear_fc2": ("mlp", ("down_proj",))}
+                "linear_fc1": ("mlp", ("gate_proj", "up_proj")), "linear_fc2": ("mlp", ("down_proj",)),
+                # multi-head latent attention (DeepSeek-V3): one HF module per linear
+                "linear_q_proj": ("self_attn", ("q_proj",)), "linear_q_up_proj": ("self_attn", ("q_b_proj",)),
+                "linear_kv_up_proj": ("self_attn", ("kv_b_proj",))}
 """Our adapted linears -> HF's modules (a fused linear's adapter becomes one per HF module: the same A, B's rows
 split the way the fused weight's are)."""
 
@@ -694,11 +778,23 @@ def export_peft(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     ckpt = CheckpointTensors(checkpoint / adapters["adapters"])
     tensors: dict[str, torch.Tensor] = {}
     targets = []
-    # (our module, HF module): dense MLPs and attention; an MoE layer's shared expert (Qwen2-MoE)
+    # (our module, HF module): dense MLPs and attention; an MoE layer's shared expert (Qwen2-MoE, DeepSeek-V3)
+    from align_pipeline.model.hf import MoENames
+
+    shared = "mlp." + MoENames(family_of(model) if model.moe.enabled() else "").shared_block
     blocks = [(f"decoder.layers.{'self_attention' if block == 'self_attn' else 'mlp'}.{ours}", ours, block, theirs)
               for ours, (block, theirs) in PEFT_MODULES.items()]
-    blocks += [(f"decoder.layers.mlp.shared_experts.{ours}", ours, "mlp.shared_expert", theirs)
+    blocks += [(f"decoder.layers.mlp.shared_experts.{ours}", ours, shared, theirs)
                for ours, (block, theirs) in PEFT_MODULES.items() if block == "mlp"]
+    if model.moe.enabled() and family_of(model) == "deepseek_v3" and any(
+            ckpt.has(f"{name}.lora_A") for name, _, block, _ in blocks if block != "self_attn"):
+        # peft (0.21) reads gate_proj / up_proj / down_proj of a deepseek_v3 model as its routed experts' fused
+        # weights (transformers 5's layout): adapters on the dense and shared MLPs would be loaded onto the wrong
+        # modules (seen: the routed experts wrapped, the dense MLP left alone)
+        raise HFExportError(f"{checkpoint}: a DeepSeek-V3 model's MLP adapters (dense layers, shared experts) do not "
+                            "load into peft, which maps gate_proj / up_proj / down_proj of deepseek_v3 onto the routed "
+                            "experts; export the merged model (`align-pipeline export`), or train with "
+                            "lora.target_modules [linear_qkv, linear_proj] for a PEFT export")
     for name, ours, block, theirs in blocks:
         if not ckpt.has(f"{name}.lora_A"):
             continue

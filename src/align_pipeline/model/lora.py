@@ -38,6 +38,11 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from align_pipeline.model.logprobs import sum_grad_over_group
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+MLA_INPUTS = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+"""Multi-head latent attention's per-head input linears (column-parallel, one adapter each), which the ``linear_qkv``
+target adapts in such a layer: the query projection (or the query bottleneck's up projection) and the key/value up
+projection. The down projections into the latents keep their weights (Megatron 0.16 builds them only from its own
+linear classes)."""
 """The Megatron linears an adapter can be put on (attention in/out projections, MLP in/out projections)."""
 
 
@@ -165,9 +170,12 @@ def lora_layer_spec(layer, rank: int, alpha: float, dropout: float, targets: tup
                          "(Transformer Engine's fused linears take no adapters here; use attention_backend: sdpa)")
 
     attn, mlp = layer.submodules.self_attention, layer.submodules.mlp
+    if hasattr(attn.submodules, "linear_kv_up_proj"):  # multi-head latent attention: linear_qkv = its input linears
+        inputs = {name: adapted(getattr(attn.submodules, name), "linear_qkv") for name in MLA_INPUTS}
+    else:
+        inputs = {"linear_qkv": adapted(attn.submodules.linear_qkv, "linear_qkv")}
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(
-        attn.submodules, linear_qkv=adapted(attn.submodules.linear_qkv, "linear_qkv"),
-        linear_proj=adapted(attn.submodules.linear_proj, "linear_proj")))
+        attn.submodules, **inputs, linear_proj=adapted(attn.submodules.linear_proj, "linear_proj")))
 
     def adapted_mlp(mlp):
         return dataclasses.replace(mlp, submodules=dataclasses.replace(
@@ -239,7 +247,8 @@ def describe(model: torch.nn.Module) -> dict | None:
     if not linears:
         return None
     first = next(iter(linears.values()))
-    targets = sorted({name.rsplit(".", 1)[-1] for name in linears})
+    targets = sorted({"linear_qkv" if name.rsplit(".", 1)[-1] in MLA_INPUTS else name.rsplit(".", 1)[-1]
+                      for name in linears})
     return {"rank": first.lora_rank, "alpha": first.lora_alpha, "dropout": first.lora_dropout,
             "target_modules": targets}
 
