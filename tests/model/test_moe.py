@@ -263,7 +263,7 @@ DEEPSEEK_MODEL = {
                      router_num_groups=2, router_group_topk=1, router_topk_scaling_factor=2.5),
     "mla": MLAConfig(kv_lora_rank=16, q_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16),
     "rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_position": 16, "yarn_mscale": 1.0,
-    "yarn_mscale_all_dim": 1.0}
+    "yarn_mscale_all_dim": 1.0, "num_query_groups": None}
 """DeepSeek-V3's layout in small: multi-head latent attention with YaRN, the first layer dense, 8 experts in 2 groups
 (a token may use 1), top 2 by sigmoid score plus a routing bias that moves towards balance after every step
 (aux-loss-free balancing), scaled by 2.5, a shared expert."""
@@ -272,7 +272,8 @@ DEEPSEEK_MODEL = {
 def test_deepseek_v3_sft_at_ep2_and_tp2_x_ep2_equals_ep1_and_resumes_bit_exact(sft_data, tmp_path):
     """A random-init DeepSeek-V3-shaped model: SFT at EP=2 and TP=2 x EP=2 (sequence parallel) gives EP=1's losses;
     the routing bias moves after each step (the losses differ from a run with the bias frozen) by the tokens every
-    rank routed (so EP=2 equals EP=1 with it); stop after 3 steps and resume: bit-exact, the bias included."""
+    rank routed (so EP=2 equals EP=1 with it); stop after 3 steps and resume: bit-exact, the bias included. Packed
+    rows give the padded rows' per-sample NLL."""
     ep1 = run_sft(sft_job(sft_data, tmp_path / "ep1", model=DEEPSEEK_MODEL))
     frozen_moe = dataclasses.replace(DEEPSEEK_MODEL["moe"], router_expert_bias_update_rate=0.0)
     frozen = run_sft(sft_job(sft_data, tmp_path / "frozen", model=DEEPSEEK_MODEL | {"moe": frozen_moe}))
@@ -292,6 +293,17 @@ def test_deepseek_v3_sft_at_ep2_and_tp2_x_ep2_equals_ep1_and_resumes_bit_exact(s
     resumed = run_sft(sft_job(sft_data, run_dir, model=DEEPSEEK_MODEL, parallel={"expert_model_parallel_size": 2}),
                       nproc=2)
     assert losses(resumed) == losses(ep2)[3:] and resumed["val_loss"] == ep2["val_loss"]
+
+    # packed rows (several samples per row, each attending to itself: SDPA with the block-diagonal mask, MLA's RoPE
+    # restarting per sample) give each sample's padded NLL
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS / "model"), os.environ.get("PYTHONPATH", "")])}
+    (tmp_path / "packed").mkdir()
+    run_torchrun("packing_worker", {"checkpoint": ep1["model_dir"], "parallel": {}, "data": sft_data["val"],
+                                    "samples": list(range(16)), "pairs": None, "reward_model": None},
+                 LaunchConfig(nproc_per_node=1), tmp_path / "packed", env=env)
+    packed = json.loads((tmp_path / "packed" / "result.json").read_text())
+    assert packed["segments"] > packed["rows"]
+    np.testing.assert_allclose(packed["packed"], packed["padded"], rtol=0, atol=1e-5)
 
 
 def test_deepseek_v3_lora_on_latent_attention_at_tp2_x_ep2_and_its_peft_export(sft_data, tmp_path):

@@ -252,6 +252,9 @@ class ModelConfig:
                                    or self.add_bias_linear or self.add_qkv_bias):
             raise ConfigError(f"{where}.mla: multi-head latent attention needs position_embedding_type: rope, "
                               "normalization: RMSNorm and no biases")
+        if self.mla.enabled() and self.num_query_groups not in (None, self.num_attention_heads):
+            raise ConfigError(f"{where}.num_query_groups={self.num_query_groups}: multi-head latent attention has a "
+                              f"key and value per head (set it to null or {self.num_attention_heads})")
         if self.moe.enabled() and self.activation != "swiglu":
             raise ConfigError(f"{where}.moe: experts are SwiGLU MLPs; set {where}.activation: swiglu")
 
