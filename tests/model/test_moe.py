@@ -306,6 +306,25 @@ def test_deepseek_v3_sft_at_ep2_and_tp2_x_ep2_equals_ep1_and_resumes_bit_exact(s
     np.testing.assert_allclose(packed["packed"], packed["padded"], rtol=0, atol=1e-5)
 
 
+def _assert_peft_equals_merged(sft_data: dict, tmp: Path) -> None:
+    """The PEFT adapters in ``tmp/peft`` loaded (``peft``) onto the base's HF export ``tmp/base_hf`` give the merged
+    export ``tmp/merged_hf``'s logits on two validation rows, and differ from the base's (the adapters are applied,
+    not ignored)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from align_pipeline.data.store import load_rows
+
+    tokens = torch.tensor(load_rows(sft_data["val"])["input_ids"][:2].tolist())
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+            tmp / "base_hf", dtype=torch.float32), tmp / "peft")(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp / "merged_hf", dtype=torch.float32)(tokens).logits
+        plain = AutoModelForCausalLM.from_pretrained(tmp / "base_hf", dtype=torch.float32)(tokens).logits
+    assert (peft_logits - merged).abs().max() < 1e-4
+    assert (plain - merged).abs().max() > 1e-3
+
+
 def test_deepseek_v3_lora_on_latent_attention_at_tp2_x_ep2_and_its_peft_export(sft_data, tmp_path):
     """LoRA on a DeepSeek-V3-shaped model: adapters on multi-head latent attention's per-head linears (the query and
     key/value up projections, the output projection) and the shared expert, none on the down projections, routed
@@ -313,10 +332,7 @@ def test_deepseek_v3_lora_on_latent_attention_at_tp2_x_ep2_and_its_peft_export(s
     merged model exports; attention adapters export as PEFT (``q_b_proj``, ``kv_b_proj``, ``o_proj``), which ``peft``
     loads onto the base with the merged export's logits; MLP adapters are refused for PEFT (peft maps deepseek_v3's
     gate/up/down projections onto the routed experts)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    from align_pipeline.data.store import load_rows
     from align_pipeline.model.hf_export import CheckpointTensors, HFExportError, export_hf, export_peft
 
     base = run_sft(sft_job(sft_data, tmp_path / "base", model=DEEPSEEK_MODEL, training={"train_steps": 3}))
@@ -342,14 +358,7 @@ def test_deepseek_v3_lora_on_latent_attention_at_tp2_x_ep2_and_its_peft_export(s
     assert sorted(summary["target_modules"]) == ["kv_b_proj", "o_proj", "q_b_proj"]
     export_hf(attention["model_dir"], tmp_path / "merged_hf")
     export_hf(adapted["model_dir"], tmp_path / "merged_mlp_hf")  # the merged export takes every adapter
-    tokens = torch.tensor(load_rows(sft_data["val"])["input_ids"][:2].tolist())
-    with torch.no_grad():
-        peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
-            tmp_path / "base_hf", dtype=torch.float32), tmp_path / "peft")(tokens).logits
-        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged_hf", dtype=torch.float32)(tokens).logits
-        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base_hf", dtype=torch.float32)(tokens).logits
-    assert (peft_logits - merged).abs().max() < 1e-4
-    assert (plain - merged).abs().max() > 1e-3
+    _assert_peft_equals_merged(sft_data, tmp_path)
 
 
 def test_generation_at_ep2_with_different_work_per_rank_equals_ep1(moe_dirs, tmp_path):
@@ -410,8 +419,6 @@ def test_lora_on_moe_adapts_attention_and_dpo_takes_the_adapters_off_reference(s
     import math
 
     from jobs import run_dpo
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     from align_pipeline.model.hf_export import CheckpointTensors, export_hf, export_peft
 
@@ -429,16 +436,7 @@ def test_lora_on_moe_adapts_attention_and_dpo_takes_the_adapters_off_reference(s
     assert sorted(summary["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
                                                  "v_proj"]
     export_hf(adapted["model_dir"], tmp_path / "merged_hf")
-    from align_pipeline.data.store import load_rows
-
-    tokens = torch.tensor(load_rows(sft_data["val"])["input_ids"][:2].tolist())
-    with torch.no_grad():
-        peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
-            tmp_path / "base_hf", dtype=torch.float32), tmp_path / "peft")(tokens).logits
-        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged_hf", dtype=torch.float32)(tokens).logits
-        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base_hf", dtype=torch.float32)(tokens).logits
-    assert (peft_logits - merged).abs().max() < 1e-4
-    assert (plain - merged).abs().max() > 1e-3  # the adapters are applied, not ignored
+    _assert_peft_equals_merged(sft_data, tmp_path)
 
     dpo = run_dpo(moe_base["pref"], sft_data["tokenizer"], base["model_dir"], tmp_path / "dpo", nproc=2, lora=lora,
                   reference="online", parallel={"expert_model_parallel_size": 2})
