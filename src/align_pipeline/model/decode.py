@@ -49,7 +49,7 @@ _MIN_WIDTH = 8
 # cache) that holds every row's columns, so a step early in a long generation does not read the keys and values of
 # columns nothing has written yet. Buckets grow by _SPAN_GROWTH rounded up to _SPAN_QUANTUM columns: a step reads at
 # most ~1.25x the columns it needs (powers of two read up to 2x, ~1.46x on average over a uniform 2,048-token
-# generation: the attention is most of a decode step at batch 256), for a few more captured graphs (11 spans instead
+# generation: the attention is most of a decode step at batch 256), for a few more captured graphs (10 spans instead
 # of 5 for a 2,560-column cache).
 _MIN_SPAN = 256
 _SPAN_GROWTH = 1.25

@@ -118,10 +118,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides
     kwargs.update(kernels.config_overrides(fused, model.activation == "swiglu", model.add_bias_linear))
     if model.mla.enabled():
         kwargs.update(mla_config(model))
-        kwargs.update(overrides)
-        return MLATransformerConfig(**kwargs)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if model.mla.enabled() else TransformerConfig)(**kwargs)
 
 
 def mla_config(model: ModelConfig) -> dict:
