@@ -5,8 +5,9 @@
 
 * Ours: real torchrun jobs of the SFT entry point (``align_pipeline.train.sft``), bf16 with fp32 main weights and
   fp32 gradient accumulation (Megatron's DDP), SDPA attention, one per ``--ours`` variant ``kernels:recompute:mb``
-  (kernels eager | fused, recompute none | selective | full, micro-batch; an optional fourth field is
-  ``parallel.logits_chunk_tokens``). The first variant is the reference of the
+  (kernels eager | fused, recompute none | selective | full, micro-batch; optional fourth and fifth fields:
+  ``parallel.logits_chunk_tokens`` and ``parallel.optimizer_precision``, fp32 | bf16, e.g. ``fused:none:8:0:bf16``:
+  bf16 weights, gradients and moments with stochastic rounding, HF's 8 bytes per parameter). The first variant is the reference of the
   loss check: every other variant's loss curve must equal it to ``--loss-tol`` (bf16 tolerance; same micro-batch).
 * HF: ``LlamaForCausalLM`` from the same random HF directory, pure bf16 weights (less state per parameter than ours),
   SDPA, torch's fused AdamW, the same masked token loss over the same global batch (gradient accumulation), with and
@@ -59,19 +60,22 @@ class Variant:
     recompute: str
     micro_batch: int
     logits_chunk: int = 0
+    optimizer: str = "fp32"
 
     @classmethod
     def parse(cls, text: str) -> Variant:
         parts = text.split(":")
-        if len(parts) not in (3, 4) or parts[0] not in ("eager", "fused") or parts[1] not in ("none", "selective",
-                                                                                             "full"):
-            raise SystemExit(f"variant {text!r}: expected kernels:recompute:micro_batch[:logits_chunk_tokens], "
-                             "e.g. fused:none:4 or fused:none:8:4096")
-        return cls(parts[0], parts[1], int(parts[2]), int(parts[3]) if len(parts) == 4 else 0)
+        if (len(parts) not in (3, 4, 5) or parts[0] not in ("eager", "fused")
+                or parts[1] not in ("none", "selective", "full") or parts[4:5] not in ([], ["fp32"], ["bf16"])):
+            raise SystemExit(f"variant {text!r}: expected kernels:recompute:micro_batch[:logits_chunk_tokens"
+                             "[:optimizer_precision]], e.g. fused:none:4, fused:none:8:4096 or fused:none:8:0:bf16")
+        return cls(parts[0], parts[1], int(parts[2]), int(parts[3]) if len(parts) > 3 else 0,
+                   parts[4] if len(parts) > 4 else "fp32")
 
     def __str__(self) -> str:
-        chunk = f":{self.logits_chunk}" if self.logits_chunk else ""
-        return f"{self.kernels}:{self.recompute}:{self.micro_batch}{chunk}"
+        chunk = f":{self.logits_chunk}" if self.logits_chunk or self.optimizer != "fp32" else ""
+        opt = f":{self.optimizer}" if self.optimizer != "fp32" else ""
+        return f"{self.kernels}:{self.recompute}:{self.micro_batch}{chunk}{opt}"
 
 
 def flops_per_token(preset: dict[str, int], params: int) -> float:
@@ -93,6 +97,7 @@ def run_ours(variant: Variant, args, data, hf_dir: str, out: Path, bf16: bool,
     job = sft_job(Layout(1, 1, 1), args.global_batch, scaling_args, data, hf_dir, run_dir, bf16)
     parallel = dataclasses.replace(job.parallel, kernels=variant.kernels, recompute_granularity=variant.recompute,
                                    recompute_num_layers=1, logits_chunk_tokens=variant.logits_chunk,
+                                   optimizer_precision=variant.optimizer if bf16 else "fp32",
                                    **(parallel_overrides or {}))
     job = dataclasses.replace(job, parallel=parallel)
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resumed one

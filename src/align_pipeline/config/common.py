@@ -286,7 +286,13 @@ class ParallelConfig:
     recompute_num_layers: int = 1
     """Layers per recompute chunk for full recomputation."""
     bf16: bool = False
-    """Train in bf16 with fp32 main weights (GPU)."""
+    """Train in bf16 (GPU); the optimizer's precision: ``optimizer_precision``."""
+    optimizer_precision: Literal["fp32", "bf16"] = "fp32"
+    """With ``bf16``: what the optimizer keeps. fp32 = Megatron's mixed precision: fp32 main weights, an fp32
+    gradient buffer and fp32 AdamW moments beside the bf16 weights (18 bytes per parameter). bf16 = no fp32 copies:
+    bf16 weights, gradients and moments (8 bytes per parameter, as HF trains in pure bf16), each step computed in
+    fp32 and stored with stochastic rounding so small updates are not lost (``train/core/bf16_adamw.py``). Not with
+    the distributed optimizer (it keeps fp32 main weights of its shard)."""
     kernels: Literal["auto", "fused", "eager"] = "auto"
     """Small elementwise operations (RoPE, SwiGLU, norms) of the non-TE layer spec: fused = one compiled kernel per
     operation and direction (``torch.compile``), eager = Megatron's unfused PyTorch code; auto = fused on CUDA, eager
@@ -301,6 +307,13 @@ class ParallelConfig:
         require_at_least(self, where, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                          "recompute_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size")
         require_at_least(self, where, 0, "logits_chunk_tokens")
+        if self.optimizer_precision == "bf16":
+            if not self.bf16:
+                raise ConfigError(f"{where}.optimizer_precision=bf16 needs {where}.bf16: true (a bf16 model)")
+            if self.use_distributed_optimizer:
+                raise ConfigError(f"{where}.optimizer_precision=bf16 does not work with "
+                                  f"{where}.use_distributed_optimizer (its shards keep fp32 main weights); turn one "
+                                  "of them off")
 
 
 @dataclass

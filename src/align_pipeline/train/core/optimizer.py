@@ -56,8 +56,9 @@ def build_trainable(source: ModelSource, parallel: ParallelConfig, opt: Optimize
         total = sum(p.numel() for p in gpt.parameters())
         log(dist, f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {trainable:,} of {total:,} "
                   "parameters train on this rank")
+    lean = parallel.bf16 and parallel.optimizer_precision == "bf16"
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=not lean,
         overlap_grad_reduce=False,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
@@ -74,13 +75,16 @@ def build_trainable(source: ModelSource, parallel: ParallelConfig, opt: Optimize
             adam_beta2=opt.adam_beta2,
             adam_eps=opt.adam_eps,
             clip_grad=opt.clip_grad,
-            bf16=parallel.bf16,
+            bf16=parallel.bf16 and not lean,  # lean: no fp32 main weights (Megatron's FP32Optimizer over bf16 ones)
             params_dtype=torch.bfloat16 if parallel.bf16 else torch.float32,
             use_distributed_optimizer=parallel.use_distributed_optimizer,
         ),
         [model],
     )
-    if kernels.active():
+    if lean:
+        use_stochastic_rounding_adamw(optimizer)
+        log(dist, "optimizer: bf16 weights, gradients and AdamW moments, stochastic rounding (no fp32 copies)")
+    elif kernels.active():
         kernels.fuse_adamw(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -101,6 +105,31 @@ def build_trainable(source: ModelSource, parallel: ParallelConfig, opt: Optimize
 
         stats = RouterStats(gpt)
     return Trainable(source, model, optimizer, scheduler, head, num_outputs, lora, stats)
+
+
+def use_stochastic_rounding_adamw(megatron_optimizer) -> int:
+    """Replace the torch ``AdamW`` under each of Megatron's ``FP32Optimizer`` wrappers by
+    :class:`~align_pipeline.train.core.bf16_adamw.StochasticRoundingAdamW` over the same param groups (the bf16
+    weights themselves: ``parallel.optimizer_precision: bf16``). Returns the number of optimizers replaced."""
+    from megatron.core.optimizer import optimizer as megatron_optimizers
+
+    from align_pipeline.train.core.bf16_adamw import StochasticRoundingAdamW, clip_grads_by_total_norm
+
+    # Megatron's clipping asserts fp32 gradients (its main grads); these are bf16
+    megatron_optimizers.clip_grad_by_total_norm_fp32 = clip_grads_by_total_norm
+    replaced = 0
+    for chained in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if inner is None:
+            continue
+        if type(inner) is not torch.optim.AdamW or inner.state:
+            raise RuntimeError(f"optimizer_precision=bf16 expects torch's AdamW before the first step under Megatron's "
+                               f"optimizer, found {type(inner).__name__}")
+        defaults = inner.defaults
+        chained.optimizer = StochasticRoundingAdamW(inner.param_groups, lr=defaults["lr"], betas=defaults["betas"],
+                                                    eps=defaults["eps"], weight_decay=defaults["weight_decay"])
+        replaced += 1
+    return replaced
 
 
 def build_frozen(source: ModelSource, parallel: ParallelConfig, dist: Dist, head: str = "lm"):
