@@ -23,6 +23,8 @@ reproducible under a fixed seed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 CHUNK = 1 << 24
@@ -75,13 +77,37 @@ def _adamw_chunk(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Ten
     _store(p, p32)
 
 
+def _fused_bf16_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                       coeffs: torch.Tensor) -> None:
+    """:func:`_adamw_chunk` for bf16 ``p``, ``m``, ``v`` as one generated kernel (``torch.compile``): reads 8 bytes
+    and writes 6 per parameter, the fp32 values living in registers only. ``coeffs`` (fp32, on the device):
+    1 - lr * wd, 1 - beta1, beta2, 1 - beta2, 1 / sqrt(1 - beta2^step), eps, -lr / (1 - beta1^step) -- tensors, so
+    a new learning rate or step does not recompile."""
+    decay, one_minus_b1, b2, one_minus_b2, inv_sqrt_bias2, eps, neg_step_size = coeffs.unbind(0)
+    g32 = g.float()
+    m32 = torch.lerp(m.float(), g32, one_minus_b1)
+    v32 = v.float() * b2 + one_minus_b2 * g32 * g32
+    p32 = p.float() * decay + neg_step_size * m32 / (v32.sqrt() * inv_sqrt_bias2 + eps)
+    m.copy_(stochastic_round_bf16(m32))
+    v.copy_(stochastic_round_bf16(v32))
+    p.copy_(stochastic_round_bf16(p32))
+
+
+@functools.cache
+def _compiled_update():
+    return torch.compile(_fused_bf16_update, dynamic=None)
+
+
 class StochasticRoundingAdamW(torch.optim.AdamW):
     """Torch's AdamW (decoupled weight decay, bias correction) whose bf16 parameters and moments are updated in fp32
-    and stored with :func:`stochastic_round_bf16` (parameters of other dtypes: the same arithmetic, stored as is)."""
+    and stored with :func:`stochastic_round_bf16` (parameters of other dtypes: the same arithmetic, stored as is).
+    ``compiled``: bf16 tensors take :func:`_fused_bf16_update`, one generated kernel per chunk (the GPU path, with
+    ``parallel.kernels`` fused); otherwise the eager operations of torch's AdamW."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2) -> None:
+                 weight_decay: float = 1e-2, compiled: bool = False) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False, fused=False)
+        self.compiled = compiled
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -91,6 +117,7 @@ class StochasticRoundingAdamW(torch.optim.AdamW):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            coeffs: dict[tuple[torch.device, int], torch.Tensor] = {}  # (device, step) -> the fused kernel's scalars
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -104,7 +131,16 @@ class StochasticRoundingAdamW(torch.optim.AdamW):
                 state["step"] += 1
                 step = int(state["step"].item())  # a CPU tensor: no device synchronisation
                 flat = [t.view(-1) for t in (p.data, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                fused = self.compiled and all(t.dtype == torch.bfloat16 for t in flat[:1] + flat[2:])
+                if fused and (p.device, step) not in coeffs:
+                    lr, bias1, bias2 = group["lr"], 1 - beta1 ** step, 1 - beta2 ** step
+                    coeffs[p.device, step] = torch.tensor(
+                        [1 - lr * group["weight_decay"], 1 - beta1, beta2, 1 - beta2, 1 / bias2**0.5, group["eps"],
+                         -lr / bias1], dtype=torch.float32).to(p.device)
                 for start in range(0, p.numel(), CHUNK):
-                    _adamw_chunk(*(t[start:start + CHUNK] for t in flat), group["lr"], beta1, beta2,
-                                 group["eps"], group["weight_decay"], step)
+                    chunk = [t[start:start + CHUNK] for t in flat]
+                    if fused:
+                        _compiled_update()(*chunk, coeffs[p.device, step])
+                    else:
+                        _adamw_chunk(*chunk, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
         return loss

@@ -127,7 +127,8 @@ def use_stochastic_rounding_adamw(megatron_optimizer) -> int:
                                f"optimizer, found {type(inner).__name__}")
         defaults = inner.defaults
         chained.optimizer = StochasticRoundingAdamW(inner.param_groups, lr=defaults["lr"], betas=defaults["betas"],
-                                                    eps=defaults["eps"], weight_decay=defaults["weight_decay"])
+                                                    eps=defaults["eps"], weight_decay=defaults["weight_decay"],
+                                                    compiled=kernels.active())
         replaced += 1
     return replaced
 
