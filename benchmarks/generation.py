@@ -13,6 +13,8 @@ core attention, NCCL world of 1). Every generator continues the same ``batch x p
   verbatim in :func:`megatron_kv_generate` as the baseline;
 * ``ours_eager``: :func:`~align_pipeline.model.generate.generate` with ``cuda_graphs=False`` (static cache, eager);
 * ``ours``: :func:`generate` as rollouts run it (static cache, CUDA-graph decode step);
+* ``ours_compiled``: the same with ``compile_step=True`` (``generation.compile_step``: the step through
+  ``torch.compile``, then captured);
 * ``hf_dynamic``: ``model.generate`` with its default dynamic cache;
 * ``hf_static_compile``: ``model.generate(cache_implementation="static")``, which compiles the forward with
   ``torch.compile`` (transformers' automatic compile of the static-cache decode step).
@@ -202,9 +204,9 @@ def run_shape(name: str, root: Path, repeats: int, dist, profile: bool = False, 
     prompts_t = torch.randint(3, vocab, (batch, plen), generator=g).to(device)  # [b, P]
     prompts = prompts_t.tolist()
 
-    def ours(n=new, graphs=True, greedy=False, seed=0):
+    def ours(n=new, graphs=True, greedy=False, seed=0, compiled=False):
         return generate(gpt, prompts, max_new_tokens=n, eos_id=None, pad_id=0, vocab_size=vocab, greedy=greedy,
-                        seed=seed, cuda_graphs=graphs)
+                        seed=seed, cuda_graphs=graphs, compile_step=compiled)
 
     # One-off set-up as a rollout job runs it before its first rollout (cache allocation, a graph per batch width,
     # prefill and sampling kernels loaded), then the first call of the process for this model (cold).
@@ -241,6 +243,20 @@ def run_shape(name: str, root: Path, repeats: int, dist, profile: bool = False, 
     with torch.no_grad():
         for p in gpt.parameters():
             p.div_(1.0 + 1e-3)
+
+    # The decode step through torch.compile (generation.compile_step), captured as graphs the same way: its set-up
+    # (compile + captures) and warm calls.
+    setup = prepare_generation(gpt, batch=batch, length=plen + new, prompt_len=plen, vocab_size=vocab, pad_id=0,
+                               compile_step=True)
+    result["compiled_setup_s"] = setup["setup_s"]
+    walls, compiled_gen = timed(lambda: ours(compiled=True), repeats)
+    result["rows"].append(rate("ours_compiled", walls, pre, batch, new))
+    walls, _ = timed(lambda: ours(greedy=True, compiled=True), repeats)
+    result["rows"].append(rate("ours_compiled_greedy", walls, pre, batch, new))
+    if profile:
+        result["profile"]["ours_compiled"] = decode_profile(lambda n: ours(n=n, compiled=True))
+    by = {r["generator"]: r for r in result["rows"]}
+    result["compiled_over_ours"] = by["ours_compiled"]["tokens_per_s"] / by["ours"]["tokens_per_s"]
     if ours_only:
         return result
 
@@ -282,14 +298,16 @@ def run_shape(name: str, root: Path, repeats: int, dist, profile: bool = False, 
     except Exception as e:  # noqa: BLE001 -- report the peer's failure instead of losing the other figures
         result["hf_static_compile_error"] = f"{type(e).__name__}: {e}"
 
-    # Agreement: HF teacher-forced log-probs of our sampled sequences vs the log-probs ours reported.
-    seqs = torch.cat([prompts_t, torch.tensor(gen.tokens, device=device)], dim=1)  # [b, P + N]
-    with torch.no_grad():
-        logits = hf(input_ids=seqs).logits[:, plen - 1 : -1].float()  # [b, N, V]
-    hf_lp = torch.log_softmax(logits, -1).gather(2, seqs[:, plen:, None]).squeeze(2)  # [b, N]
-    diff = (hf_lp - torch.tensor(gen.logprobs, device=device)).abs()
-    result["logprob_vs_hf"] = {"mean_abs": diff.mean().item(), "max_abs": diff.max().item(),
-                               "mean_logprob": hf_lp.mean().item()}
+    # Agreement: HF teacher-forced log-probs of our sampled sequences vs the log-probs ours reported (the eager-kernel
+    # step and the compiled one).
+    for key, ours_gen in (("logprob_vs_hf", gen), ("compiled_logprob_vs_hf", compiled_gen)):
+        seqs = torch.cat([prompts_t, torch.tensor(ours_gen.tokens, device=device)], dim=1)  # [b, P + N]
+        with torch.no_grad():
+            logits = hf(input_ids=seqs).logits[:, plen - 1 : -1].float()  # [b, N, V]
+        hf_lp = torch.log_softmax(logits, -1).gather(2, seqs[:, plen:, None]).squeeze(2)  # [b, N]
+        diff = (hf_lp - torch.tensor(ours_gen.logprobs, device=device)).abs()
+        result[key] = {"mean_abs": diff.mean().item(), "max_abs": diff.max().item(),
+                       "mean_logprob": hf_lp.mean().item()}
     hf = None
     by = {r["generator"]: r for r in result["rows"]}
     if "hf_static_compile" in by:
@@ -318,10 +336,14 @@ def markdown(r: dict[str, Any]) -> str:
                   (f"- weight update in place, then a call: {s['after_update_s']:.3f} s, re-captured: "
                    f"{s['recaptured_after_update']}, tokens changed: {s['update_changed_tokens']} (address check "
                    f"{s['refresh_check_ms']:.3f} ms)")]
-        if "logprob_vs_hf" in s:
-            lines.append(f"- log-probs ours reported vs HF teacher-forced on the same sampled tokens: mean |Δ| "
-                         f"{s['logprob_vs_hf']['mean_abs']:.4f}, max {s['logprob_vs_hf']['max_abs']:.3f} nats (mean "
-                         f"log-prob {s['logprob_vs_hf']['mean_logprob']:.2f})")
+        if "compiled_over_ours" in s:
+            lines.append(f"- compiled step (`compile_step`): **{s['compiled_over_ours']:.2f}x** ours; its set-up "
+                         f"(compile + captures) {s['compiled_setup_s']:.1f} s")
+        for key, what in (("logprob_vs_hf", "ours"), ("compiled_logprob_vs_hf", "ours_compiled")):
+            if key in s:
+                lines.append(f"- log-probs {what} reported vs HF teacher-forced on the same sampled tokens: mean |Δ| "
+                             f"{s[key]['mean_abs']:.4f}, max {s[key]['max_abs']:.3f} nats (mean log-prob "
+                             f"{s[key]['mean_logprob']:.2f})")
         lines.append("")
         if "profile" in s:
             lines += [("Profile of one decode step (CUPTI, kernels inside CUDA graphs included; a 33-token call minus "

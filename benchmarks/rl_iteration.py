@@ -80,7 +80,7 @@ def write_prompts(path: Path, run: dict[str, Any], vocab: int, lowest: int = 3) 
 
 def run_reinforce(run_dir: Path, run: dict[str, Any], data: Path, tokenizer: Path, hf: Path, seq_length: int,
                   bf16: bool, *, iterations: int, micro_batch: int, beta: float, lr: float,
-                  weight_decay: float = 0.01) -> dict[str, Any]:
+                  weight_decay: float = 0.01, compile_step: bool = False, optimizer_precision: str = "fp32") -> dict[str, Any]:
     """``python -m align_pipeline.train.reinforce`` under torchrun on one process: on-policy GRPO (token-mean loss)
     over ``run``'s prompts x samples, the hash reward, no validation or checkpoints -> the job's result."""
     from align_pipeline.config import (
@@ -106,14 +106,15 @@ def run_reinforce(run_dir: Path, run: dict[str, Any], data: Path, tokenizer: Pat
                         minibatches=1, micro_batch_size=micro_batch, log_interval=1, eval_interval=0,
                         eval_prompts=0, save_interval=0),
         generation=GenerationConfig(max_new_tokens=run["new"], samples_per_prompt=run["samples"], seed=3,
-                                    batch_size=run["prompts"] * run["samples"], prefill_bucket=run["bucket"]),
+                                    batch_size=run["prompts"] * run["samples"], prefill_bucket=run["bucket"],
+                                    compile_step=compile_step),
         reward=RewardConfig(reward_model_weight=0.0,
                             functions=[RewardFunctionConfig(name="rl_iteration:hash_reward")]),
         loss=ReinforceLossConfig(estimator="grpo", aggregation="token_mean"), kl=KLConfig(estimator="k3", beta=beta),
         optimizer=OptimizerConfig(lr=lr, min_lr=lr, warmup_steps=0, weight_decay=weight_decay))
     run_dir.mkdir(parents=True, exist_ok=True)
     job = ReinforceJob(reinforce=section, model=ModelConfig(attention_backend="sdpa", seq_length=seq_length),
-                       parallel=ParallelConfig(bf16=bf16),
+                       parallel=ParallelConfig(bf16=bf16, optimizer_precision=optimizer_precision if bf16 else "fp32"),
                        paths=RLPaths(run_dir=str(run_dir), prompts=str(data), tokenizer=str(tokenizer),
                                      policy=str(hf)))
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
@@ -130,6 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--mean", type=float, default=400.0, help="mean response length wanted (variable lengths)")
     parser.add_argument("--lengths", nargs="+", default=["variable", "uniform"], choices=["variable", "uniform"])
+    parser.add_argument("--compile-step", nargs="+", default=["off"], choices=["off", "on"],
+                        help="generation.compile_step of the runs (on: the decode step through torch.compile); "
+                        "both: each length twice, side by side")
+    parser.add_argument("--optimizer-precision", default="fp32", choices=["fp32", "bf16"],
+                        help="parallel.optimizer_precision (GPU: bf16 = no fp32 main weights, gradients, moments)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -152,19 +158,21 @@ def main(argv: list[str] | None = None) -> None:
         "rows": run["prompts"] * run["samples"], "prompt_lengths": [len(p) for p in prompts], "max_new_tokens": new,
         "micro_batch": args.micro_batch, "results": {},
     }
-    for lengths in args.lengths:
+    for lengths, compiled in [(x, c) for x in args.lengths for c in args.compile_step]:
         stops = [2] if lengths == "uniform" else list(range(2, 2 + max(1, round(vocab / args.mean))))
         hf = args.work / f"hf_{lengths}"
         report["parameters"] = write_model(hf, shape, stops)
         tokenizer = args.work / f"tokenizer_{lengths}"
         load_hf_tokenizer(hf).save(tokenizer)
-        result = run_reinforce(args.work / f"run_{lengths}", run, data, tokenizer, hf, longest + new, bf16,
-                               iterations=args.iterations, micro_batch=args.micro_batch, beta=0.05, lr=1e-6)
+        name = lengths + (" compiled step" if compiled == "on" else "")
+        result = run_reinforce(args.work / f"run_{lengths}_{compiled}", run, data, tokenizer, hf, longest + new, bf16,
+                               iterations=args.iterations, micro_batch=args.micro_batch, beta=0.05, lr=1e-6,
+                               compile_step=compiled == "on", optimizer_precision=args.optimizer_precision)
         last = result["history"][-1]
         generated = last["rollout/response_length/mean"] * report["rows"]
         trained = generated + run["samples"] * sum(len(p) for p in prompts)
         it = last["timing/iteration_s"]
-        report["results"][lengths] = {
+        report["results"][name] = {
             "stop_ids": len(stops), "iteration_s": it, "generate_s": last["timing/generate_s"],
             "score_s": last["timing/score_s"], "train_s": last["timing/train_s"],
             "generation_share": last["timing/generate_s"] / it, "generated_tokens": generated,

@@ -1,7 +1,8 @@
 """torchrun worker for tests: load a model checkpoint at some TP and run :func:`generate` on a list of cases.
 
     {"run_dir": ..., "checkpoint": ..., "parallel": {...}, "vocab_size": V, "prompts": [[...], ...],
-     "variants": [{"prefix": "sp_", "parallel": {...}, "model": {...}, "cases": [name, ...] | null}, ...],
+     "variants": [{"prefix": "sp_", "parallel": {...}, "model": {...}, "generate": {...},
+                   "cases": [name, ...] | null}, ...],
      "cases": [{"name": str, "kwargs": {...generate kwargs...}, "rows": [i, ...] | null, "one_by_one": bool,
                 "eos_from": [case_name, row, index] | null, "score": bool}, ...]}
       ->  run_dir/result.json {case_name: {"tokens", "ended_with_eos", "logprobs", "seconds"}, ...,
@@ -14,8 +15,9 @@ that many prompts (seed + first index, as static batches); ``record_finished`` l
 rows: several stop ids; with the case's own ``eos_id``: all are stop ids); ``perturb`` scales every layer's MLP output
 weight by 1.5 in place before the case (as an optimizer step changes weights; later cases see it too); ``score`` adds ``scored_logprobs``, the generated
 tokens' log-probs from a plain training-style forward (one unpadded row, no mask, no cache). Each of ``variants``
-runs its cases (default all) again as ``<prefix><name>`` on a model built with those ParallelConfig / ModelConfig
-overrides (e.g. sequence parallelism, Megatron's local attention), after :func:`prepare_generation` with the
+runs its cases (default all) again as ``<prefix><name>`` with its ``generate`` kwargs added to every case's (with
+``compile_step``: ``<prefix>compiled_graphs``, the graphs torch.compile made) on a model built with those
+ParallelConfig / ModelConfig overrides (e.g. sequence parallelism, Megatron's local attention), after :func:`prepare_generation` with the
 variant's ``prepare`` kwargs if it has them (its figures: ``<prefix>prepare``); ``mask_ignoring_core_attention``
 replaces every layer's core attention by :class:`MaskIgnoringAttention` (Transformer Engine's behaviour under a
 causal mask).
@@ -45,7 +47,7 @@ def run_cases(model, cfg: dict, prefix: str, names: list[str] | None) -> dict:
     for case in cfg["cases"]:
         if names is not None and case["name"] not in names:
             continue
-        kwargs = dict(case["kwargs"])
+        kwargs = {**case["kwargs"], **cfg.get("generate", {})}
         kwargs.setdefault("vocab_size", cfg["vocab_size"])
         if case.get("eos_from"):
             src, rows_from, index = case["eos_from"]
@@ -177,7 +179,12 @@ def main() -> None:
                                                                         **variant["prepare"])
         before = sequence_parallel_switches(model)
         cores = [type(layer.self_attention.core_attention) for layer in model.decoder.layers]
-        results.update(run_cases(model, cfg, variant["prefix"], variant.get("cases")))
+        results.update(run_cases(model, {**cfg, "generate": variant.get("generate", {})}, variant["prefix"],
+                                 variant.get("cases")))
+        if variant.get("generate", {}).get("compile_step"):
+            from torch._dynamo.utils import counters
+
+            results[variant["prefix"] + "compiled_graphs"] = counters["stats"]["unique_graphs"]
         results[variant["prefix"] + "switches_restored"] = sequence_parallel_switches(model) == before
         results[variant["prefix"] + "core_attention_restored"] = cores == [
             type(layer.self_attention.core_attention) for layer in model.decoder.layers]

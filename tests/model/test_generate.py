@@ -125,7 +125,9 @@ def tp1(setup):
     common, only_tp1 = _cases(setup["tok"], list(range(N)))
     local = {"prefix": "local_", "model": {"attention_backend": "local"}, "cases": ["greedy", "greedy_nocache"]}
     te_like = {"prefix": "te_like_", "mask_ignoring_core_attention": True, "cases": ["greedy", "greedy_nocache"]}
-    return _run(setup, "tp1", 1, common + only_tp1, [local, te_like])
+    compiled = {"prefix": "compiled_", "generate": {"compile_step": True},
+                "cases": ["greedy", "sample", "finish_early", "perturbed", "refill_budget", "long"]}
+    return _run(setup, "tp1", 1, common + only_tp1, [local, te_like, compiled])
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +151,18 @@ def test_kv_cache_equals_full_recompute(tp1):
     assert all(len(t) == NEW for t in tp1["greedy"]["tokens"])
     _close(tp1["greedy"]["logprobs"], tp1["greedy_nocache"]["logprobs"], 1e-5)
     assert tp1["sample"]["tokens"] == tp1["sample_nocache"]["tokens"]
+
+
+def test_compiled_decode_step_gives_the_same_tokens(tp1):
+    """``compile_step``: the decode step through torch.compile (fused elementwise kernels; on a GPU, captured as
+    such) against the eager step: the same tokens and log-probs to fp32 rounding, with rows finishing early, weights
+    changed in place (the compiled step reads the live ones), rows refilled under a KV budget (a new, smaller cache)
+    and a long generation whose span grows past 256 columns; the step compiled at most three times (the first width
+    and span static, then once with symbolic sizes)."""
+    for case in ("greedy", "sample", "finish_early", "perturbed", "refill_budget", "long"):
+        assert tp1["compiled_" + case]["tokens"] == tp1[case]["tokens"], case
+        _close(tp1["compiled_" + case]["logprobs"], tp1[case]["logprobs"], 1e-5)
+    assert 1 <= tp1["compiled_compiled_graphs"] <= 3
 
 
 def test_megatron_local_attention_gives_the_same_tokens(tp1):

@@ -35,6 +35,7 @@ same arithmetic as Megatron's, a quarter of its kernels). Learned absolute posit
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +124,9 @@ class DecodeEngine:
         self.compactions = 0
         DecodeEngine.allocations += 1
         self._weights = _parameter_addresses(gpt)
+        # the stand-ins ``attached`` swaps in: the same objects every call (a compiled step guards on them)
+        self._cores = [_CachedCoreAttention(self, i) for i in range(n)]
+        self.compile_step = False  # run the step through torch.compile (:meth:`use_compiled_step`)
 
     # ---------------------------------------------------------------------------------------------------------------
     # The forward pieces
@@ -140,7 +144,7 @@ class DecodeEngine:
         for i, layer in enumerate(gpt.decoder.layers):
             attn = layer.self_attention
             swapped.append((attn, attn.core_attention, getattr(attn, "rotary_pos_emb", None)))
-            attn.core_attention = _CachedCoreAttention(self, i)
+            attn.core_attention = self._cores[i]
             if self.mla:
                 attn.rotary_pos_emb = _EngineRope(self, attn.rotary_pos_emb)
         try:
@@ -221,6 +225,25 @@ class DecodeEngine:
         """The smallest span that holds columns [0, ``columns``)."""
         return next(s for s in self.spans() if s >= columns)
 
+    def use_compiled_step(self, gpt, on: bool) -> bool:
+        """Whether the decode step runs through ``torch.compile`` (``generation.compile_step``); returns the choice
+        made. Inductor fuses the elementwise work between the GEMMs - each layer's norms, RoPE, the cache writes,
+        SwiGLU, the residual adds - into a few generated kernels, and the compiled step is what the CUDA graphs
+        capture. Only where the whole step traces as one graph: a dense model (no MoE: host-side token counts; no
+        multi-head latent attention) at TP=1. Changing it drops the graphs captured for the other step."""
+        cfg = gpt.config
+        on = bool(on) and cfg.tensor_model_parallel_size == 1 and not getattr(cfg, "num_moe_experts", None) \
+            and not self.mla
+        if on != self.compile_step:
+            self.graphs.clear()
+            self.compile_step = on
+        return on
+
+    def _run_step(self, gpt, width: int, span: int) -> torch.Tensor:
+        if not self.compile_step:
+            return self._step(gpt, width, span)
+        return _compiled_step()(self, gpt, width, span)
+
     def decode(self, gpt, width: int, graphs: bool, span: int | None = None) -> torch.Tensor:
         """One step over rows [0, width): feeds ``ids`` at each row's column, then advances the columns -> logits
         [width, V_padded] (with ``graphs``, a captured graph's output buffer: read it before the next step). The step
@@ -235,7 +258,7 @@ class DecodeEngine:
             graph[0].replay()
             logits = graph[1]
         else:
-            logits = self._step(gpt, width, span)
+            logits = self._run_step(gpt, width, span)
         self.column.add_(1).clamp_(max=self.length - 1)
         self.positions += 1
         return logits
@@ -302,14 +325,14 @@ class DecodeEngine:
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # kernel selection, cuBLAS workspaces, NCCL set-up: before capture
-                self._step(gpt, width, span)
+            for _ in range(2):  # kernel selection, cuBLAS workspaces, NCCL set-up, compilation: before capture
+                self._run_step(gpt, width, span)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._step(gpt, width, span)
+            logits = self._run_step(gpt, width, span)
         torch.cuda.synchronize(self.device)
         self.captures += 1
         self.capture_seconds += time.perf_counter() - t0
@@ -398,6 +421,36 @@ def _prefill_keep(real: torch.Tensor) -> torch.Tensor:
     col = torch.arange(p, device=real.device)
     causal = col[None, :] <= col[:, None]  # [P, P]
     return (causal & real[:, None, None, :]) | torch.eye(p, dtype=torch.bool, device=real.device)
+
+
+@functools.cache
+def _compiled_step():
+    """:meth:`DecodeEngine._step` through ``torch.compile``, one for the process: a new engine (a cache of another
+    size) reuses its code. dynamic=True: compiled once with symbolic sizes (widths, spans, cache rows and columns)
+    instead of once per size first seen."""
+    _tp_group_without_warning()
+    return torch.compile(DecodeEngine._step, dynamic=True)
+
+
+@functools.cache
+def _tp_group_without_warning() -> None:
+    """Megatron 0.16's row-parallel linear passes ``tp_group=None`` to its GEMM function, which looks the default
+    group up and calls ``warnings.warn`` (a deprecation, hidden by Python's filters): a call ``torch.compile`` cannot
+    trace, inside a context manager it cannot split, so each layer's step fell apart into several graphs. The same
+    lookup without the warning (installed once, for the process, when a step is first compiled)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import layers
+
+    def group(tp_group, is_expert=False, check_initialized=True):
+        if not torch.distributed.is_initialized():
+            return None
+        if tp_group is not None or not parallel_state.is_initialized():
+            return tp_group
+        if is_expert:
+            return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+        return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+    layers.get_tensor_model_parallel_group_if_none = group
 
 
 def _parameter_addresses(gpt) -> tuple[int, ...]:

@@ -91,6 +91,7 @@ def generate(
     max_rows: int | None = None,
     kv_cache_gib: float = 0.0,
     on_finished: Callable[[int, list[int], bool], None] | None = None,
+    compile_step: bool = False,
 ) -> Generation:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -130,6 +131,9 @@ def generate(
         on_finished: ``on_finished(i, tokens, ended_with_eos)`` for prompt ``i`` as soon as its response has ended
             (with the cache: in the order they end, while the others are still being generated; every prompt once,
             before generate returns), e.g. to start scoring it.
+        compile_step: run the KV-cache decode step through ``torch.compile`` (and capture that in the CUDA graphs):
+            fewer, fused kernels per layer (``generation.compile_step``; dense models at TP=1, else ignored). The
+            first call compiles it (seconds to a minute).
 
     Returns:
         :class:`Generation` (see its fields for the exact meaning of ``logprobs``).
@@ -168,7 +172,7 @@ def generate(
             pass
         elif use_cache:
             slots, admissions = _decode_continuous(gpt, prompts, out, max_new_tokens, cuda_graphs, prefill_bucket,
-                                                   min(n, max_rows), kv_cache_gib, on_finished)
+                                                   min(n, max_rows), kv_cache_gib, on_finished, compile_step)
         else:
             if _ExpertLockstep.of(gpt) is not None:
                 raise NotImplementedError("generation without the KV cache (use_cache: false) does not run MoE "
@@ -223,7 +227,7 @@ def decode_slots(model, rows: int, length: int, kv_cache_gib: float) -> int:
 
 def prepare_generation(model, *, batch: int, length: int, prompt_len: int, vocab_size: int, pad_id: int,
                        cuda_graphs: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                       tp_group=None) -> dict[str, float]:
+                       tp_group=None, compile_step: bool = False) -> dict[str, float]:
     """One-off set-up before the first generation of a job, so that its cost is not part of the first (timed) rollout.
 
     Allocates the KV cache for ``batch`` rows x ``length`` columns (kept on the model). On a GPU it also captures the
@@ -239,6 +243,7 @@ def prepare_generation(model, *, batch: int, length: int, prompt_len: int, vocab
     gpt = unwrap(model)
     t0 = time.perf_counter()
     engine = decode_engine(gpt, batch, length)
+    engine.use_compiled_step(gpt, compile_step)
     captured = engine.capture_seconds
     cuda_graphs = cuda_graphs and not getattr(gpt.config, "num_moe_experts", None)  # see _decode_continuous
     if engine.device.type == "cuda":
@@ -251,7 +256,7 @@ def prepare_generation(model, *, batch: int, length: int, prompt_len: int, vocab
         for prompts in (mixed, full):  # then the unpadded (causal) prefill
             generate(model, prompts, max_new_tokens=min(9, length - prompt_len), eos_id=[pad_id], pad_id=pad_id,
                      vocab_size=vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
-                     cuda_graphs=cuda_graphs, tp_group=tp_group)
+                     cuda_graphs=cuda_graphs, tp_group=tp_group, compile_step=compile_step)
         torch.cuda.synchronize(engine.device)
     return {"capture_s": engine.capture_seconds - captured, "setup_s": time.perf_counter() - t0}
 
@@ -386,7 +391,8 @@ def _decode_recompute(gpt, prompts: list[list[int]], out: _Output, max_new_token
 
 
 def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_tokens: int, cuda_graphs: bool,
-                       bucket: int, slots: int, kv_cache_gib: float, on_finished) -> tuple[int, int]:
+                       bucket: int, slots: int, kv_cache_gib: float, on_finished,
+                       compile_step: bool = False) -> tuple[int, int]:
     """Static KV cache (:mod:`~align_pipeline.model.decode`) of ``slots`` rows (fewer under ``kv_cache_gib``), kept
     full: samples enter free slots in order (identical prompts entering together prefilled once), one token per slot
     per step, ended responses checked for every few steps and their slots refilled; with nothing pending, the step is
@@ -395,6 +401,7 @@ def _decode_continuous(gpt, prompts: list[list[int]], out: _Output, max_new_toke
     length = _bucketed(max(len(x) for x in prompts), bucket) + max_new_tokens
     slots = decode_slots(gpt, slots, length, kv_cache_gib)
     engine = decode_engine(gpt, slots, length, max_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib > 0 else None)
+    engine.use_compiled_step(gpt, compile_step)
     # An MoE step routes a data-dependent number of tokens to each expert (host-side splits): not capturable.
     graphs = cuda_graphs and engine.device.type == "cuda" and not getattr(gpt.config, "num_moe_experts", None)
     # Ended rows are looked for every few steps on a GPU (each look waits for the GPU), every step on the CPU; free

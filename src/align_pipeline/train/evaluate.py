@@ -56,7 +56,7 @@ def sample(model, prompts: list[list[int]], g: GenerationConfig, tok, vocab: int
                        pad_id=tok.pad_id, vocab_size=vocab, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
                        greedy=greedy, seed=g.seed + 1000 * dist.dp_rank, cuda_graphs=g.cuda_graphs,
                        tp_group=dist.pgs.tp, prefill_bucket=g.prefill_bucket, max_rows=g.batch_size,
-                       kv_cache_gib=g.kv_cache_gib)
+                       kv_cache_gib=g.kv_cache_gib, compile_step=g.compile_step)
         out_tokens, out_logps, out_eos = gen.tokens, gen.logprobs, gen.ended_with_eos
     gathered = [None] * dist.world_size
     tdist.all_gather_object(gathered, (mine, out_tokens, out_logps, out_eos))

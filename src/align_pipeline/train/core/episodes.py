@@ -200,7 +200,7 @@ def run_episodes(policy, records: list[dict[str, Any]], gen: GenerationConfig, e
                      eos_id=tok.stop_ids, pad_id=tok.pad_id, vocab_size=vocab_size, temperature=gen.temperature,
                      top_k=gen.top_k, top_p=gen.top_p, greedy=greedy, seed=turn_seed(seed, turn),
                      cuda_graphs=gen.cuda_graphs, tp_group=dist.pgs.tp, prefill_bucket=gen.prefill_bucket,
-                     max_rows=gen.batch_size, kv_cache_gib=gen.kv_cache_gib)
+                     max_rows=gen.batch_size, kv_cache_gib=gen.kv_cache_gib, compile_step=gen.compile_step)
         stepping, turn_tokens = [], {}
         for k, i in enumerate(live):
             ep, cap = episodes[i], caps[i]

@@ -88,7 +88,7 @@ def generate_rollout(policy, records: list[dict], gen: GenerationConfig, tok, vo
     g = generate(policy, prompts, max_new_tokens=max_new, eos_id=tok.stop_ids, pad_id=tok.pad_id,
                  vocab_size=vocab_size, temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, greedy=greedy,
                  seed=seed, cuda_graphs=gen.cuda_graphs, tp_group=dist.pgs.tp, prefill_bucket=gen.prefill_bucket,
-                 max_rows=gen.batch_size, kv_cache_gib=gen.kv_cache_gib,
+                 max_rows=gen.batch_size, kv_cache_gib=gen.kv_cache_gib, compile_step=gen.compile_step,
                  on_finished=score_early if pool is not None else None)
     arrays = to_rows(prompts, g.tokens, seq_length, tok.pad_id, g.logprobs)
     rows = {k: torch.from_numpy(v).to(dist.device) for k, v in arrays.items()}
@@ -111,7 +111,8 @@ def prepare_rollouts(policy, prompts: PromptStream, iteration: int, gen: Generat
     t = prepare_generation(policy, batch=decode_slots(policy, min(rows, gen.batch_size), length, gen.kv_cache_gib),
                            length=length,
                            prompt_len=bucketed, vocab_size=vocab_size, pad_id=tok.pad_id, cuda_graphs=gen.cuda_graphs,
-                           temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, tp_group=dist.pgs.tp)
+                           temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, tp_group=dist.pgs.tp,
+                           compile_step=gen.compile_step)
     return {"timing/decode_capture_s": t["capture_s"], "timing/decode_setup_s": t["setup_s"]}
 
 
