@@ -475,7 +475,7 @@ def test_cuda_graph_decode_on_a_gpu(setup):
     full-recompute reference. The cache is allocated once; graphs are captured at the first call that needs a width
     and replayed after, also after the weights change in place; finished rows are dropped to smaller graphs. Then
     the same after the one-off set-up a rollout job runs first: every width captured before the first call, none
-    during any call."""
+    during any call. And the compiled step (``compile_step``), captured: the same tokens, log-probs to 1e-4."""
     tok = setup["tok"]
     greedy = {"max_new_tokens": NEW, "eos_id": None, "pad_id": tok.pad_id, "greedy": True}
     sample = {"max_new_tokens": NEW, "eos_id": None, "pad_id": tok.pad_id, "temperature": 1.0, "seed": 5}
@@ -495,7 +495,13 @@ def test_cuda_graph_decode_on_a_gpu(setup):
     longest = max(len(setup["prompts"][i]) for _, _, rows, _ in specs for i in rows)
     prepared = {"prefix": "prepared_", "prepare": {"batch": 64, "length": longest + 40, "prompt_len": longest,
                                                         "pad_id": tok.pad_id}}
-    out = _run(setup, "gpu", 1, cases, [prepared])
+    # the decode step through torch.compile, captured the same way (generation.compile_step)
+    compiled = {"prefix": "compiled_", "generate": {"compile_step": True},
+                "cases": ["rows64", "greedy", "sample", "samples_shared", "perturbed"]}
+    out = _run(setup, "gpu", 1, cases, [prepared, compiled])
+    for name in compiled["cases"]:
+        assert out["compiled_" + name]["tokens"] == out[name]["tokens"], name
+        _close(out["compiled_" + name]["logprobs"], out[name]["logprobs"], 1e-4)
     # a fresh model prepared: every width of a 64-row batch captured up front, no capture or allocation afterwards
     assert out["prepared_prepare"]["capture_s"] > 0, out["prepared_prepare"]
     after = [out["prepared_" + c["name"]]["engine"] for c in cases]
