@@ -222,8 +222,8 @@ def moe_base(sft_data, tmp_path_factory):
 
 def test_sft_at_ep2_equals_ep1_and_resumes_bit_exact(sft_data, tmp_path):
     """A random-init MoE model (every layer MoE, 4 experts, top 2, aux loss on): the same model at EP=1, EP=2,
-    TP=2 x EP=2 and EP=2 with grouped expert GEMMs (the experts are drawn per (layer, expert), not from the shared
-    stream), the same losses; 3 steps, stop, resume,
+    TP=2 x EP=2, and EP=2 and EP=1 with grouped expert GEMMs (the experts are drawn per (layer, expert), not from
+    the shared stream), the same losses; 3 steps, stop, resume,
     3 steps at EP=2 give the uninterrupted run's losses and weights. The router's load metrics are logged."""
     model = {"moe": MoEConfig(**MOE)}
     ep1 = run_sft(sft_job(sft_data, tmp_path / "ep1", model=model))
@@ -235,7 +235,9 @@ def test_sft_at_ep2_equals_ep1_and_resumes_bit_exact(sft_data, tmp_path):
     # grouped expert GEMMs (GroupedMLP on torch's grouped matmul) at EP=2: the same model and steps
     grouped = run_sft(sft_job(sft_data, tmp_path / "grouped", model=model, parallel={
         "expert_model_parallel_size": 2, "moe_grouped_gemm": "on"}), nproc=2)
-    for other in (ep2, tp2_ep2, grouped):
+    # and at EP=1 (one rank: the sync-free token sort)
+    grouped_ep1 = run_sft(sft_job(sft_data, tmp_path / "grouped_ep1", model=model, parallel={"moe_grouped_gemm": "on"}))
+    for other in (ep2, tp2_ep2, grouped, grouped_ep1):
         np.testing.assert_allclose(losses(other), losses(ep1), atol=2e-5, rtol=0)
         assert abs(other["val_loss"] - ep1["val_loss"]) < 2e-5
     assert "ep=2" in (tmp_path / "ep2" / "logs" / "rank0.log").read_text().splitlines()[0]
@@ -550,3 +552,54 @@ def test_export_family_of_an_moe_model_and_its_refusals():
             family_of(model)
     with pytest.raises(ConfigError, match="shared_expert_gate needs a shared expert"):
         MoEConfig(**{**MOE, "shared_expert_ffn_hidden_size": 0}).validate()
+
+
+def test_sync_free_dispatch_equals_megatrons_sort():
+    """Grouped experts on one rank sort their tokens with :class:`SyncFreeTokenDispatcher` (no host
+    synchronisation): the logits, the aux loss and every gradient of a forward + backward equal those of Megatron's
+    all-gather dispatcher (its ``masked_select`` sort) on the same model and tokens, bit for bit; the layers of an
+    EP=2 layout keep Megatron's all-to-all dispatcher."""
+    from test_megatron_cpu import run_py
+
+    out = run_py(
+        """
+        import sys, torch
+        sys.path.insert(0, "tests")
+        from jobs import TINY_MODEL
+        from align_pipeline.config import ParallelConfig
+        from align_pipeline.config.common import MoEConfig
+        import dataclasses
+        from align_pipeline.model.gpt import build_gpt
+        from align_pipeline.model.moe import SyncFreeTokenDispatcher, moe_layers
+        from align_pipeline.train.core.distributed import init_distributed
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+        parallel = ParallelConfig(moe_grouped_gemm="on")
+        init_distributed(parallel, seed=0)
+        model = dataclasses.replace(TINY_MODEL, moe=MoEConfig(num_experts=8, router_topk=3, ffn_hidden_size=16,
+                                                              aux_loss_coeff=0.01, shared_expert_ffn_hidden_size=24))
+        gpt = build_gpt(model, parallel, 128, ProcessGroupCollection.use_mpu_process_groups())
+        layers = moe_layers(gpt)
+        assert layers and all(type(l.mlp.token_dispatcher) is SyncFreeTokenDispatcher for l in layers)
+        ids = torch.randint(0, 128, (3, 20))
+        pos = torch.arange(20).expand(3, 20)
+
+        def run():
+            gpt.zero_grad()
+            logits = gpt(ids, pos, None)
+            logits.float().pow(2).mean().backward()
+            return logits.detach(), {n: p.grad.clone() for n, p in gpt.named_parameters() if p.grad is not None}
+
+        ours = run()
+        for l in layers:
+            l.mlp.token_dispatcher.__class__ = MoEAllGatherTokenDispatcher
+        megatron = run()
+        assert torch.equal(ours[0], megatron[0])
+        assert ours[1].keys() == megatron[1].keys() and len(ours[1]) > 10
+        bad = [n for n in ours[1] if not torch.equal(ours[1][n], megatron[1][n])]
+        assert not bad, bad
+        print("OK", len(layers), len(ours[1]))
+        """
+    )
+    assert out.startswith("OK")

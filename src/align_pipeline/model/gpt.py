@@ -140,11 +140,17 @@ def mla_config(model: ModelConfig) -> dict:
     return out
 
 
+def _single_rank_moe(parallel: ParallelConfig) -> bool:
+    return (parallel.expert_model_parallel_size == 1 and parallel.tensor_model_parallel_size == 1
+            and (parallel.expert_tensor_parallel_size or 1) == 1)
+
+
 def moe_config(model: ModelConfig, parallel: ParallelConfig) -> dict:
     """Megatron's MoE settings for ``model.moe`` (none for a dense model).
 
     Dropless routing (no capacity factor); the router's logits and softmax in fp32; tokens reach their experts by
-    all-to-all (ranks route different numbers of tokens). Experts: :class:`SequentialMLP` (one GEMM pair per local
+    all-to-all (ranks route different numbers of tokens), or, with grouped experts on one rank, by a sort that never
+    waits for the GPU (:class:`~align_pipeline.model.moe.SyncFreeTokenDispatcher`). Experts: :class:`SequentialMLP` (one GEMM pair per local
     expert over its sorted tokens), or Megatron's legacy :class:`GroupedMLP` with ``parallel.moe_grouped_gemm``
     (:mod:`align_pipeline.model.moe`)."""
     moe = model.moe
@@ -174,7 +180,9 @@ def moe_config(model: ModelConfig, parallel: ParallelConfig) -> dict:
         "moe_router_topk_scaling_factor": (moe.router_topk_scaling_factor
                                            if moe.router_topk_scaling_factor != 1.0 else None),
         "moe_router_dtype": "fp32",
-        "moe_token_dispatcher_type": "alltoall",
+        # one rank holds every expert and all of the layer (EP = expert TP = TP = 1) with grouped experts: the
+        # all-gather dispatcher (nothing to gather), whose sort build_gpt swaps for a sync-free one
+        "moe_token_dispatcher_type": "allgather" if grouped and _single_rank_moe(parallel) else "alltoall",
         "moe_grouped_gemm": grouped,
         "moe_use_legacy_grouped_gemm": grouped,
         "expert_model_parallel_size": parallel.expert_model_parallel_size,
@@ -324,6 +332,10 @@ def build_gpt(
         from align_pipeline.model.moe import init_experts
 
         init_experts(gpt, torch.initial_seed())  # the same experts at every EP x expert-TP layout
+    if model.moe.enabled():
+        from align_pipeline.model.moe import use_sync_free_dispatch
+
+        use_sync_free_dispatch(gpt)
     if model.position_embedding_type == "rope" and not model.mla.enabled():  # MLA: each layer's own (YaRN) RoPE
         # Megatron's RoPE knows only plain theta (and Llama 3's scaling with fixed constants): install ours.
         gpt.rotary_pos_emb.inv_freq = rope.inv_freq(model, gpt.rotary_pos_emb.inv_freq.device)

@@ -14,6 +14,10 @@ experts are built without touching the shared stream (:class:`SeededSequentialML
 its own generator, seeded by (seed, layer, global expert index) and sliced for expert TP (:func:`init_experts`): the
 same model at every EP x expert-TP layout.
 
+Dispatch: with grouped experts and no expert or tensor parallelism inside the MoE layer (EP = expert TP = 1), the
+tokens are sorted by expert without a host synchronisation (:class:`SyncFreeTokenDispatcher`); otherwise Megatron's
+all-to-all dispatcher (EP > 1) or its all-gather one moves and sorts them.
+
 Router statistics: :class:`RouterStats` counts, per MoE layer, the tokens each expert receives (top-k choices) and
 the load-balancing loss of the micro-batches it saw; :meth:`RouterStats.metrics` gives ``moe/expert_load/max``
 (the busiest expert's share over the fair share, 1.0 = balanced), ``moe/expert_load/min``, ``moe/aux_loss`` (Switch
@@ -27,6 +31,7 @@ import math
 import torch
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 
 class SeededSequentialMLP(SequentialMLP):
@@ -78,6 +83,53 @@ class SeededGroupedMLP(GroupedMLP):
         fc1 = gmm(permuted_local_hidden_states, self.weight1.view(local, hidden, -1), tokens_per_expert)
         return gmm(self.activation_func_with_probs(fc1, probs), self.weight2.view(local, -1, hidden),
                    tokens_per_expert), None
+
+
+class SyncFreeTokenDispatcher(MoEAllGatherTokenDispatcher):
+    """Megatron's all-gather dispatcher where the MoE layer has no expert or tensor parallelism (nothing to gather),
+    sorting the tokens by expert without waiting for the GPU. Megatron's sort (``moe_utils.permute`` without TE)
+    and its probabilities use ``masked_select`` and copy the tokens per expert to the host: several device-to-host
+    synchronisations per MoE layer and micro-batch, each stalling the host until the GPU has caught up. Dropless
+    top-k routing sends every token to exactly ``topk`` experts, so the number of sorted rows is known on the host:
+    each token's experts come from one small per-row sort of the routing map, the rows are ordered by a stable sort
+    of their expert ids (expert-major, token order within an expert: Megatron's order) and the counts per expert are
+    a ``bincount``, all on the device. The grouped experts take the counts on the device (torch's grouped matmul reads
+    offsets from device memory). Same rows, same order, same probabilities as Megatron's path."""
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        self.hidden_shape_before_permute = hidden_states.shape
+        routing_map = self.routing_map  # [T, E] bool, exactly topk True per row (dropless)
+        experts = routing_map.shape[1]
+        topk = self.config.moe_router_topk
+        with torch.no_grad():
+            # each token's topk experts, ascending; then every (token, choice) pair ordered by expert, stably
+            chosen = torch.sort(torch.where(routing_map, torch.arange(experts, device=routing_map.device), experts),
+                                dim=1).values[:, :topk]  # [T, k]
+            flat = chosen.reshape(-1)  # [T*k]
+            order = torch.sort(flat, stable=True).indices  # [T*k]
+            sorted_tokens = order // topk  # the token of each sorted row
+            tokens_per_expert = torch.bincount(flat, minlength=experts)  # [E] on the device
+        permuted = hidden_states.index_select(0, sorted_tokens)
+        self.local_probs = probs[sorted_tokens, flat[order]]  # [T*k], differentiable through probs
+        self.reversed_local_input_permutation_mapping = sorted_tokens
+        self.local_map = routing_map
+        self.routing_map = None
+        return permuted, tokens_per_expert, self.local_probs
+
+
+def use_sync_free_dispatch(gpt) -> int:
+    """Give every MoE layer of ``gpt`` with grouped experts and EP = expert TP = 1 the
+    :class:`SyncFreeTokenDispatcher` (its MoE settings chose Megatron's all-gather dispatcher for them, whose state
+    it shares); returns the layers switched."""
+    switched = 0
+    for layer in moe_layers(gpt):
+        dispatcher = layer.mlp.token_dispatcher
+        if (type(dispatcher) is MoEAllGatherTokenDispatcher and isinstance(layer.mlp.experts, GroupedMLP)
+                and dispatcher.tp_size == 1 and dispatcher.ep_size == 1
+                and dispatcher.config.moe_expert_capacity_factor is None):
+            dispatcher.__class__ = SyncFreeTokenDispatcher
+            switched += 1
+    return switched
 
 
 class _TorchGroupedGemmOps:
