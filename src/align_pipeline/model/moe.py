@@ -93,8 +93,8 @@ class SyncFreeTokenDispatcher(MoEAllGatherTokenDispatcher):
     top-k routing sends every token to exactly ``topk`` experts, so the number of sorted rows is known on the host:
     each token's experts come from one small per-row sort of the routing map, the rows are ordered by a stable sort
     of their expert ids (expert-major, token order within an expert: Megatron's order) and the counts per expert are
-    a ``bincount``, all on the device. The grouped experts take the counts on the device (torch's grouped matmul reads
-    offsets from device memory). Same rows, same order, same probabilities as Megatron's path."""
+    the routing map's column sums, all on the device. The grouped experts take the counts on the device (torch's
+    grouped matmul reads offsets from device memory). Same rows, same order, same probabilities as Megatron's path."""
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape_before_permute = hidden_states.shape
@@ -108,7 +108,7 @@ class SyncFreeTokenDispatcher(MoEAllGatherTokenDispatcher):
             flat = chosen.reshape(-1)  # [T*k]
             order = torch.sort(flat, stable=True).indices  # [T*k]
             sorted_tokens = order // topk  # the token of each sorted row
-            tokens_per_expert = torch.bincount(flat, minlength=experts)  # [E] on the device
+            tokens_per_expert = routing_map.sum(dim=0)  # [E] on the device (CUDA's bincount reads the max back)
         permuted = hidden_states.index_select(0, sorted_tokens)
         self.local_probs = probs[sorted_tokens, flat[order]]  # [T*k], differentiable through probs
         self.reversed_local_input_permutation_mapping = sorted_tokens
